@@ -1,0 +1,148 @@
+"""Byte layout of KV pages: row formats and where each row lives inside a page.
+
+One page pool serves every use, so every page has the same size. An MLA page
+holds `page_size` tokens of every MLA layer ordered `[group, token,
+layer-in-group, row]`: the rows of one token for all layers of one IndexShare
+group are one contiguous run (one miss = one copy). An indexer page holds as
+many tokens of every full-indexer layer as fit, a multiple of `page_size`,
+ordered `[full-layer, token, row]` so one layer's keys of a page are contiguous
+for scoring. A hot page has the MLA page layout; its token positions are hot
+slots.
+
+Row formats: `float32` (reference mode, no FP8 anywhere), `bf16`, `fp8`
+(656-byte MLA rows and 132-byte indexer rows at GLM shape).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from engine.model_config import ModelConfig
+from kernels import fp8_rows
+
+KVFormat = Literal["float32", "bf16", "fp8"]
+PAGE_SIZE = 64
+
+_ELEMENT_BYTES = {"float32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Sizes and offsets of rows inside pages for one model and row format."""
+
+    kv_format: KVFormat
+    latent_dim: int
+    rope_dim: int
+    index_dim: int
+    group_sizes: tuple[int, ...]
+    layer_group: tuple[int, ...]
+    layer_pos: tuple[int, ...]
+    num_full_layers: int
+    page_size: int = PAGE_SIZE
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, kv_format: KVFormat, page_size: int = PAGE_SIZE) -> "KVLayout":
+        layer_group, layer_pos = [0] * cfg.num_hidden_layers, [0] * cfg.num_hidden_layers
+        for g, members in enumerate(cfg.groups):
+            for j, layer in enumerate(members):
+                layer_group[layer], layer_pos[layer] = g, j
+        return cls(
+            kv_format=kv_format,
+            latent_dim=cfg.kv_lora_rank,
+            rope_dim=cfg.qk_rope_head_dim,
+            index_dim=cfg.index_head_dim,
+            group_sizes=tuple(len(g) for g in cfg.groups),
+            layer_group=tuple(layer_group),
+            layer_pos=tuple(layer_pos),
+            num_full_layers=len(cfg.groups),
+            page_size=page_size,
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_group)
+
+    @property
+    def mla_row_bytes(self) -> int:
+        if self.kv_format == "fp8":
+            return fp8_rows.mla_row_bytes(self.latent_dim, self.rope_dim)
+        return (self.latent_dim + self.rope_dim) * _ELEMENT_BYTES[self.kv_format]
+
+    @property
+    def indexer_row_bytes(self) -> int:
+        if self.kv_format == "fp8":
+            return fp8_rows.indexer_row_bytes(self.index_dim)
+        return self.index_dim * _ELEMENT_BYTES[self.kv_format]
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.num_layers * self.mla_row_bytes
+
+    @property
+    def group_run_bytes(self) -> tuple[int, ...]:
+        """Bytes of one token's rows for all layers of each group (one miss)."""
+        return tuple(n * self.mla_row_bytes for n in self.group_sizes)
+
+    def group_offset(self, group: int) -> int:
+        """Byte offset of a group's block inside a page."""
+        return self.page_size * self.mla_row_bytes * sum(self.group_sizes[:group])
+
+    @property
+    def indexer_tokens_per_page(self) -> int:
+        per_token = self.num_full_layers * self.indexer_row_bytes
+        tokens = (self.page_bytes // per_token) // self.page_size * self.page_size
+        if tokens == 0:
+            raise ValueError("an indexer page must hold at least one page of tokens")
+        return tokens
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * self.mla_row_bytes + self.num_full_layers * self.indexer_row_bytes
+
+    # --- views into a pool of pages -------------------------------------------------
+
+    def mla_layer_view(self, pool: torch.Tensor, layer: int) -> torch.Tensor:
+        """[num_pages, page_size, mla_row_bytes] uint8 view of one layer's rows."""
+        g, j = self.layer_group[layer], self.layer_pos[layer]
+        size, rb = self.group_sizes[g], self.mla_row_bytes
+        start = self.group_offset(g)
+        block = pool[:, start : start + self.page_size * size * rb]
+        return block.view(pool.shape[0], self.page_size, size, rb)[:, :, j, :]
+
+    def indexer_layer_view(self, pool: torch.Tensor, full_index: int) -> torch.Tensor:
+        """[num_pages, indexer_tokens_per_page, indexer_row_bytes] uint8 view of one full layer's keys."""
+        tokens, rb = self.indexer_tokens_per_page, self.indexer_row_bytes
+        start = full_index * tokens * rb
+        return pool[:, start : start + tokens * rb].view(pool.shape[0], tokens, rb)
+
+    # --- row encoding ---------------------------------------------------------------
+
+    def encode_mla(self, latent: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """[N, Dl], [N, Dr] -> [N, mla_row_bytes] uint8."""
+        if self.kv_format == "fp8":
+            return fp8_rows.pack_mla_rows(latent, rope)
+        dtype = torch.float32 if self.kv_format == "float32" else torch.bfloat16
+        row = torch.cat([latent, rope], dim=-1).to(dtype).contiguous()
+        return row.view(torch.uint8).reshape(row.shape[0], -1)
+
+    def decode_mla(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[N, mla_row_bytes] uint8 -> [N, Dl + Dr] in `dtype`."""
+        if self.kv_format == "fp8":
+            return fp8_rows.unpack_mla_rows(rows, self.latent_dim, self.rope_dim).to(dtype)
+        src = torch.float32 if self.kv_format == "float32" else torch.bfloat16
+        return rows.contiguous().view(src).to(dtype)
+
+    def encode_indexer(self, keys: torch.Tensor) -> torch.Tensor:
+        if self.kv_format == "fp8":
+            return fp8_rows.pack_indexer_rows(keys)
+        dtype = torch.float32 if self.kv_format == "float32" else torch.bfloat16
+        return keys.to(dtype).contiguous().view(torch.uint8).reshape(keys.shape[0], -1)
+
+    def decode_indexer(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.kv_format == "fp8":
+            return fp8_rows.unpack_indexer_rows(rows, self.index_dim).to(dtype)
+        src = torch.float32 if self.kv_format == "float32" else torch.bfloat16
+        return rows.contiguous().view(src).to(dtype)
