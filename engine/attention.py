@@ -1,0 +1,137 @@
+"""Sparse MLA attention with the lightning indexer, reading a paged KV cache.
+
+Each layer writes its new rows (normed latent + roped key; indexer key on full
+layers) into the page pool, then attends only over the top-K positions that
+its IndexShare group's full layer selected. Attention uses the absorbed form:
+queries are mapped into the latent space through `kv_b_proj`'s key half and the
+latent output back through its value half, so the cache never holds per-head K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention_ops import AttentionOps
+from engine.forward_batch import ForwardBatch
+from engine.kv_layout import KVLayout
+from engine.layers import RMSNorm, apply_rope
+from engine.model_config import ModelConfig
+
+
+@dataclass
+class Selection:
+    """Top-K choice of a full layer, shared by its group: slots [T, K] valid up to lens [T]."""
+
+    slots: torch.Tensor
+    lens: torch.Tensor
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: scores past tokens with a few cheap heads and keeps the top-K."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, cfg.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.cfg.qk_rope_head_dim
+        return torch.cat([apply_rope(x[..., :r], cos, sin, self.cfg.rope_interleave), x[..., r:]], dim=-1)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_latent: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_pool: torch.Tensor,
+        layout: KVLayout,
+        full_index: int,
+        ops: AttentionOps,
+    ) -> Selection:
+        cfg = self.cfg
+        q = self._rope(self.wq_b(q_latent).view(-1, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
+        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * cfg.index_n_heads**-0.5
+
+        view = layout.indexer_layer_view(kv_pool, full_index)
+        per_page = view.shape[1]
+        ws = batch.indexer_write_slots
+        view[ws // per_page, ws % per_page] = layout.encode_indexer(k)
+
+        topk = cfg.index_topk
+        positions = torch.zeros(batch.num_rows, topk, dtype=torch.long, device=x.device)
+        lens = torch.zeros(batch.num_rows, dtype=torch.long, device=x.device)
+        for req, (start, end) in enumerate(batch.row_ranges):
+            ctx = batch.context_lens_host[req]
+            slots = batch.indexer_slots(req, ctx)
+            keys = layout.decode_indexer(view[slots // per_page, slots % per_page], torch.float32)
+            limits = batch.positions[start:end] + 1
+            chosen = ops.indexer_topk(q[start:end], weights[start:end], keys, limits, topk, cfg.index_head_dim**-0.5)
+            positions[start:end, : chosen.positions.shape[1]] = chosen.positions
+            lens[start:end] = chosen.counts
+        rows = torch.arange(batch.num_rows, device=x.device)
+        return Selection(batch.mla_slots(rows, positions), lens)
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention over the slots chosen by the indexer."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h = cfg.num_attention_heads
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        self.indexer = Indexer(cfg) if cfg.indexer_types[layer] == "full" else None
+        self.scale = cfg.qk_head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        kv_pool: torch.Tensor,
+        layout: KVLayout,
+        ops: AttentionOps,
+        shared: Selection | None,
+    ) -> tuple[torch.Tensor, Selection]:
+        cfg = self.cfg
+        h, dn, dv, dl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        q_latent = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_latent).view(-1, h, cfg.qk_head_dim)
+        q_nope, q_rope = q[..., :dn], apply_rope(q[..., dn:], cos, sin, cfg.rope_interleave)
+
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([dl, cfg.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        k_rope = apply_rope(k_rope, cos, sin, cfg.rope_interleave)
+        view = layout.mla_layer_view(kv_pool, self.layer)
+        ws = batch.mla_write_slots
+        view[ws // layout.page_size, ws % layout.page_size] = layout.encode_mla(latent, k_rope)
+
+        if self.indexer is not None:
+            full_index = layout.layer_group[self.layer]
+            selection = self.indexer(x, q_latent, cos, sin, batch, kv_pool, layout, full_index, ops)
+        elif shared is None:
+            raise ValueError(f"shared layer {self.layer} has no full indexer layer before it")
+        else:
+            selection = shared
+
+        w = self.kv_b_proj.weight.view(h, dn + dv, dl)
+        q_abs = torch.einsum("thd,hdc->thc", q_nope, w[:, :dn, :])
+        out_latent = ops.sparse_mla(torch.cat([q_abs, q_rope], dim=-1), view, selection.slots, selection.lens, self.scale)
+        out = torch.einsum("thc,hvc->thv", out_latent.to(x.dtype), w[:, dn:, :])
+        return self.o_proj(out.reshape(-1, h * dv)), selection

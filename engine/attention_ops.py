@@ -1,0 +1,77 @@
+"""The two cache-reading operations of sparse MLA, behind one small interface.
+
+`indexer_topk` scores a request's query rows against its cached indexer keys and
+picks the top-K positions; `sparse_mla` attends over the selected KV slots in the
+absorbed form. The plain PyTorch implementation here runs everywhere; Triton
+kernels implement the same interface for the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+from engine.kv_layout import KVLayout
+
+# Query rows processed together by the PyTorch path: bounds the gathered rows held at once.
+_ROW_CHUNK = 256
+
+
+class TopK(NamedTuple):
+    positions: torch.Tensor  # [n, K] int64; entries >= counts are padding
+    counts: torch.Tensor  # [n] valid entries per row
+
+
+class AttentionOps(Protocol):
+    def indexer_topk(
+        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, limits: torch.Tensor, topk: int, scale: float
+    ) -> TopK: ...
+
+    def sparse_mla(
+        self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
+    ) -> torch.Tensor: ...
+
+
+class TorchAttentionOps:
+    """Reference implementation: gathers and decodes rows, then plain tensor math."""
+
+    def __init__(self, layout: KVLayout) -> None:
+        self.layout = layout
+
+    def indexer_topk(
+        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, limits: torch.Tensor, topk: int, scale: float
+    ) -> TopK:
+        """q [n, Hi, Di], weights [n, Hi], keys [ctx, Di]; row i sees positions < limits[i]."""
+        ctx = keys.shape[0]
+        k = min(topk, ctx)
+        scores = torch.relu(torch.einsum("nhd,td->nht", q.float(), keys.float()) * scale)
+        index_scores = torch.einsum("nh,nht->nt", weights.float(), scores)
+        visible = torch.arange(ctx, device=q.device)[None, :] < limits[:, None]
+        index_scores = index_scores.masked_fill(~visible, float("-inf"))
+        positions = index_scores.topk(k, dim=-1).indices
+        return TopK(positions, torch.clamp(limits, max=k))
+
+    def sparse_mla(
+        self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """q [N, H, Dl+Dr], slots [N, K] into kv_view [P, page, row_bytes] -> [N, H, Dl] float32."""
+        out = torch.empty(q.shape[0], q.shape[1], self.layout.latent_dim, dtype=torch.float32, device=q.device)
+        for start in range(0, q.shape[0], _ROW_CHUNK):
+            rows = slice(start, start + _ROW_CHUNK)
+            out[rows] = self._attend(q[rows], kv_view, slots[rows], lens[rows], scale)
+        return out
+
+    def _attend(
+        self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        n, k = slots.shape
+        page = kv_view.shape[1]
+        flat = slots.reshape(-1).long()
+        raw = kv_view[flat // page, flat % page]
+        kv = self.layout.decode_mla(raw, torch.float32).view(n, k, -1)
+        scores = torch.einsum("nhd,nkd->nhk", q.float(), kv) * scale
+        valid = torch.arange(k, device=q.device)[None, :] < lens[:, None]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        return torch.einsum("nhk,nkd->nhd", probs, kv[..., : self.layout.latent_dim])

@@ -1,0 +1,50 @@
+"""Engine configuration: one frozen spec object passed down instead of keyword lists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from engine.kv_layout import KVFormat
+
+DType = Literal["float32", "bfloat16"]
+KVDType = Literal["auto", "float32", "bf16", "fp8"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine replica serves and how much it may hold."""
+
+    model: str  # local Hugging Face model directory
+    dtype: DType = "float32"  # weights and activations; float32 is the reference mode
+    kv_dtype: KVDType = "auto"  # KV row format; auto = the model dtype (float32 rows or bf16 rows)
+    device: str = "cpu"
+    num_gpu_pages: int | None = None  # KV pool pages; None = sized from kv_cache_gib
+    kv_cache_gib: float = 0.25  # KV pool size when num_gpu_pages is not given
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_prefix_cache: bool = True
+    policy: str = "preempt"  # pressure policy: what frees pages when a step does not fit
+    seed: int = 0  # seeds requests that bring no seed of their own
+    random_weights: bool = False  # shapes-only run: seeded random init instead of loading weights
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.kv_dtype not in ("auto", "float32", "bf16", "fp8"):
+            raise ValueError(f"kv_dtype must be auto, float32, bf16 or fp8, got {self.kv_dtype!r}")
+        if self.num_gpu_pages is not None and self.num_gpu_pages < 1:
+            raise ValueError("num_gpu_pages must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.float32 if self.dtype == "float32" else torch.bfloat16
+
+    @property
+    def kv_format(self) -> KVFormat:
+        if self.kv_dtype == "auto":
+            return "float32" if self.dtype == "float32" else "bf16"
+        return self.kv_dtype

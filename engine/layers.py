@@ -1,0 +1,119 @@
+"""Building blocks of GLM-MoE-DSA that hold no KV state: norms, rotary embedding, MLPs, MoE.
+
+Parameter names follow the published checkpoints so a state dict loads by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as the reference does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions; frequencies in float32 whatever the model dtype."""
+
+    def __init__(self, dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Half-width tables [T, dim/2]: one angle per rotated pair."""
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate x [T, ..., dim] with tables [T, dim/2].
+
+    Interleaved pairs are (x0, x1), (x2, x3), ...; the result is written with the
+    rotated evens first and odds second. Queries and keys share that order, so
+    their dot products equal the true interleaved rotation.
+    """
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: the dense layers, each routed expert and the shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid router with correction bias and grouped top-k (noaux_tc)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.cfg = cfg
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (weights [T, k] float32, expert ids [T, k])."""
+        cfg = self.cfg
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+        top_groups = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+        group_mask = torch.zeros_like(group_scores).scatter_(1, top_groups, 1.0).bool()
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(-1, cfg.n_routed_experts)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+        ids = choice.topk(cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    """Routed experts plus the shared expert."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(
+            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = torch.zeros_like(x)
+        for expert_id in ids.unique().tolist():
+            token_idx, slot = torch.where(ids == expert_id)
+            y = self.experts[expert_id](x[token_idx]) * weights[token_idx, slot, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out + self.shared_experts(x)

@@ -1,0 +1,233 @@
+"""The synchronous engine core: validate and admit requests, step, emit outputs.
+
+One `step()` = schedule, forward, sample, apply stop conditions, free what
+finished. Everything is single-threaded here; `AsyncEngine` drives it from a
+background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.kv_layout import KVLayout
+from engine.model_config import ModelConfig
+from engine.model_runner import ModelRunner
+from engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
+from engine.sampler import sample
+from engine.scheduler import PRESSURE_POLICIES, Scheduler, SchedulerConfig
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced in one step (deltas) and so far (totals)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    text_delta: str
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class _TextState:
+    """Detokenized text of one request, with stop-string look-behind."""
+
+    detok: IncrementalDetokenizer
+    text: str = ""
+    emitted: int = 0
+    stop_hit: bool = False
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.layout = KVLayout.for_model(self.model_config, config.kv_format)
+        num_pages = config.num_gpu_pages or max(1, int(config.kv_cache_gib * 2**30) // self.layout.page_bytes)
+        self.device = torch.device(config.device)
+        self.runner = ModelRunner(
+            self.model_config,
+            self.layout,
+            num_pages,
+            config.torch_dtype,
+            self.device,
+            config.model,
+            random_seed=config.seed if config.random_weights else None,
+        )
+        self.kv = KVCacheManager(self.layout, num_pages, config.enable_prefix_cache)
+        if config.policy not in PRESSURE_POLICIES:
+            raise ValueError(f"unknown policy {config.policy!r}; choose from {sorted(PRESSURE_POLICIES)}")
+        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, self.kv, PRESSURE_POLICIES[config.policy]())
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._text: dict[str, _TextState] = {}
+        self._seed_counter = config.seed
+        self.num_steps = 0
+
+    # --- submission -----------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises `InvalidRequestError` with a client-facing message for a request that cannot run."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens; this model's maximum context length is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        longest = min(n + params.max_tokens, self.max_model_len)
+        pages = self.kv.pages_for_tokens(longest)
+        if pages > self.kv.pool.num_pages:
+            raise InvalidRequestError(
+                f"the request needs up to {longest} tokens of KV ({pages} pages) but the KV pool has "
+                f"{self.kv.pool.num_pages} pages; lower max_tokens or shorten the prompt"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, arrival=time.monotonic())
+        seed = params.seed
+        if seed is None:
+            seed, self._seed_counter = self._seed_counter, self._seed_counter + 1
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._requests[request_id] = req
+        self._text[request_id] = _TextState(IncrementalDetokenizer(self.tokenizer), generator=generator)
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Ends a request in any state and frees its pages; False if it is unknown or already done."""
+        req = self._requests.pop(request_id, None)
+        self._text.pop(request_id, None)
+        if req is None or req.is_finished:
+            return False
+        self.scheduler.finish(req, FinishReason.ABORT)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- stepping -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        logits = self.runner.execute(out.scheduled)
+        completing = [s.request for s in out.scheduled if s.completes]
+        states = [self._text[r.request_id] for r in completing]
+        tokens = sample(logits, [r.params for r in completing], [s.generator for s in states])
+        self.scheduler.after_step(out)
+        self.num_steps += 1
+        return [self._append(req, tok) for req, tok in zip(completing, tokens)]
+
+    def _append(self, req: Request, token: int) -> RequestOutput:
+        req.output_token_ids.append(token)
+        state = self._text[req.request_id]
+        is_eos = not req.params.ignore_eos and token in self.eos_token_ids
+        if not is_eos:  # the stop token itself is not part of the text
+            state.text += state.detok.step(token)
+        reason = FinishReason.STOP if is_eos else self._stop_reason(req, state)
+        if reason is not None:
+            if not state.stop_hit:
+                state.text += state.detok.flush()
+            self.scheduler.finish(req, reason)
+        delta_end = len(state.text) if reason is not None else self._safe_text_end(req, state)
+        delta = state.text[state.emitted : delta_end]
+        state.emitted = max(state.emitted, delta_end)
+        output = RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            token_ids=list(req.output_token_ids),
+            text_delta=delta,
+            text=state.text[:delta_end],
+            finished=reason is not None,
+            finish_reason=reason.value if reason is not None else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        if reason is not None:
+            self._requests.pop(req.request_id, None)
+            self._text.pop(req.request_id, None)
+        return output
+
+    def _stop_reason(self, req: Request, state: _TextState) -> FinishReason | None:
+        p = req.params
+        for stop in p.stop:
+            at = state.text.find(stop, max(0, state.emitted - len(stop)))
+            if at >= 0:
+                state.text, state.stop_hit = state.text[:at], True
+                return FinishReason.STOP
+        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _safe_text_end(req: Request, state: _TextState) -> int:
+        """Text that may still turn into a stop string is held back until it cannot."""
+        hold = max((len(s) - 1 for s in req.params.stop), default=0)
+        return max(state.emitted, len(state.text) - hold)
+
+    # --- convenience ----------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+        """Submits all prompts at once (so they batch) and runs until every one finishes."""
+        ids = [f"gen-{self.num_steps}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, params):
+            self.add_request(rid, prompt, p)
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+        return [final[rid] for rid in ids]
+
+    def stats(self) -> dict[str, Any]:
+        kv = self.kv
+        return {
+            "num_pages": kv.pool.num_pages,
+            "pages_in_use": kv.num_pages_in_use(),
+            "pages_cached": kv.cache.num_cached,
+            "pages_free": kv.pool.num_free,
+            "prefix_cache_hit_tokens": kv.num_prefix_hit_tokens,
+            "prefix_cache_queried_tokens": kv.num_prefix_queried_tokens,
+            "prefix_cache_evictions": kv.cache.num_evicted,
+            "preemptions": self.scheduler.num_preemptions,
+            "steps": self.num_steps,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }
+
+    def check_integrity(self) -> None:
+        """Accounting check used by tests after each step."""
+        self.kv.check_integrity()
+        held = {p for r in self.scheduler.running for p in r.mla_pages + r.indexer_pages}
+        assert len(held) <= self.kv.pool.num_used(), "requests hold more pages than are in use"
+        for r in self.scheduler.waiting:
+            assert not r.mla_pages and not r.indexer_pages, f"waiting request {r.request_id} holds pages"
+        assert all(r.status is RequestStatus.RUNNING for r in self.scheduler.running)

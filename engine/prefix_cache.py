@@ -1,0 +1,105 @@
+"""Prefix cache: full pages identified by a hash chained over their tokens.
+
+A full MLA page of tokens [64 i, 64 (i+1)) is identified by the hash of its
+tokens chained with the hash of the page before it, so equal hashes mean equal
+whole prefixes. An indexer page is identified by the chained hash of the last
+MLA page it covers. Cached pages whose last user left stay in use, unreferenced
+and evictable, least recently released first; allocation evicts them only when
+the free list runs short.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+from engine.page_pool import OutOfPages, PagePool, PageUse
+
+PageKey = tuple[PageUse, bytes]
+
+
+def chain_hashes(token_ids: Sequence[int], page_size: int, parents: Sequence[bytes] = ()) -> list[bytes]:
+    """Hashes of every full page of `token_ids`, continuing the chain `parents` (hashes of earlier pages)."""
+    hashes = list(parents)
+    for start in range(len(hashes) * page_size, len(token_ids) - page_size + 1, page_size):
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(hashes[-1] if hashes else b"root")
+        digest.update(np.asarray(token_ids[start : start + page_size], dtype=np.int64).tobytes())
+        hashes.append(digest.digest())
+    return hashes[len(parents) :]
+
+
+class PrefixCache:
+    """Owns the release path of pages: cached ones become evictable, others go free."""
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self._page_of: dict[PageKey, int] = {}
+        self._key_of: dict[int, PageKey] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_evicted = 0
+
+    @property
+    def num_available(self) -> int:
+        """Pages an allocation can get: free ones plus evictable cached ones."""
+        return self.pool.num_free + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._key_of)
+
+    def lookup(self, use: PageUse, key: bytes) -> int | None:
+        return self._page_of.get((use, key))
+
+    def acquire(self, page: int) -> None:
+        """Takes a reference to a cached page (reviving it if it was evictable)."""
+        self._evictable.pop(page, None)
+        self.pool.incref(page)
+
+    def insert(self, page: int, use: PageUse, key: bytes) -> bool:
+        """Makes `page` findable by `key`; False when another page already holds that key."""
+        if (use, key) in self._page_of or page in self._key_of:
+            return False
+        self._page_of[(use, key)] = page
+        self._key_of[page] = (use, key)
+        return True
+
+    def release(self, page: int) -> None:
+        if self.pool.decref(page):
+            return
+        if page in self._key_of:
+            self._evictable[page] = None
+        else:
+            self.pool.free(page)
+
+    def allocate(self, n: int, use: PageUse) -> list[int]:
+        """`n` fresh pages, evicting least recently released cached pages if needed."""
+        if n > self.num_available:
+            raise OutOfPages(f"asked for {n} pages, {self.num_available} available")
+        while self.pool.num_free < n:
+            page, _ = self._evictable.popitem(last=False)
+            del self._page_of[self._key_of.pop(page)]
+            self.pool.free(page)
+            self.num_evicted += 1
+        return self.pool.allocate(n, use)
+
+    def clear(self) -> None:
+        """Drops every unreferenced cached page (used pages keep their keys until released)."""
+        while self._evictable:
+            page, _ = self._evictable.popitem(last=False)
+            del self._page_of[self._key_of.pop(page)]
+            self.pool.free(page)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        for key, page in self._page_of.items():
+            assert self._key_of[page] == key
+            assert self.pool.use_of(page) is key[0]
+        for page in self._evictable:
+            assert page in self._key_of and self.pool.refs(page) == 0
+        for page in range(self.pool.num_pages):
+            if self.pool.use_of(page) is not None and self.pool.refs(page) == 0:
+                assert page in self._evictable, f"page {page} unreferenced but neither free nor evictable"

@@ -1,0 +1,91 @@
+"""A request's sampling parameters and its lifecycle state inside the engine.
+
+Created by the engine from a validated submission; mutated only by the
+scheduler (tokens computed, pages held, status) and the output processor
+(generated tokens, finish reason).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A submission the engine refuses; the message is meant for the client."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS token or stop string
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at last admission
+    mla_pages: list[int] = field(default_factory=list)
+    indexer_pages: list[int] = field(default_factory=list)
+    page_hashes: list[bytes] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
