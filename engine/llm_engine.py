@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +48,7 @@ class RequestOutput:
 class _TextState:
     """Detokenized text of one request, with stop-string look-behind."""
 
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None
     text: str = ""
     emitted: int = 0
     stop_hit: bool = False
@@ -58,7 +59,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
-        self.tokenizer = Tokenizer.from_dir(config.model)
+        # Checkpoints without tokenizer files still serve token-id requests (text stays empty).
+        has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.layout = KVLayout.for_model(self.model_config, config.kv_format)
         num_pages = config.num_gpu_pages or max(1, int(config.kv_cache_gib * 2**30) // self.layout.page_bytes)
@@ -77,7 +80,8 @@ class LLMEngine:
             raise ValueError(f"unknown policy {config.policy!r}; choose from {sorted(PRESSURE_POLICIES)}")
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.kv, PRESSURE_POLICIES[config.policy]())
-        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
+        tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        self.eos_token_ids = set(tokenizer_eos) | set(self.model_config.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self._seed_counter = config.seed
@@ -117,7 +121,8 @@ class LLMEngine:
             seed, self._seed_counter = self._seed_counter, self._seed_counter + 1
         generator = torch.Generator(device=self.device).manual_seed(seed)
         self._requests[request_id] = req
-        self._text[request_id] = _TextState(IncrementalDetokenizer(self.tokenizer), generator=generator)
+        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+        self._text[request_id] = _TextState(detok, generator=generator)
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> bool:
@@ -150,11 +155,11 @@ class LLMEngine:
         req.output_token_ids.append(token)
         state = self._text[req.request_id]
         is_eos = not req.params.ignore_eos and token in self.eos_token_ids
-        if not is_eos:  # the stop token itself is not part of the text
+        if not is_eos and state.detok:  # the stop token itself is not part of the text
             state.text += state.detok.step(token)
         reason = FinishReason.STOP if is_eos else self._stop_reason(req, state)
         if reason is not None:
-            if not state.stop_hit:
+            if not state.stop_hit and state.detok:
                 state.text += state.detok.flush()
             self.scheduler.finish(req, reason)
         delta_end = len(state.text) if reason is not None else self._safe_text_end(req, state)

@@ -41,6 +41,7 @@ class ModelConfig:
     index_head_dim: int
     index_topk: int
     indexer_types: tuple[str, ...]
+    mlp_layer_types: tuple[str, ...]  # "dense" or "sparse" (MoE) per layer
     n_routed_experts: int
     num_experts_per_tok: int
     n_shared_experts: int
@@ -63,6 +64,8 @@ class ModelConfig:
             raise ValueError(f"model_type {self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
         if len(self.indexer_types) != self.num_hidden_layers:
             raise ValueError("indexer_types must list one entry per layer")
+        if len(self.mlp_layer_types) != self.num_hidden_layers:
+            raise ValueError("mlp_layer_types must list one entry per layer")
         if self.indexer_types[0] != "full":
             raise ValueError("layer 0 must run a full indexer: shared layers reuse an earlier full layer")
         if self.index_head_dim < self.qk_rope_head_dim:
@@ -95,7 +98,7 @@ class ModelConfig:
         return tuple(tuple(g) for g in groups)
 
     def is_moe_layer(self, layer: int) -> bool:
-        return layer >= self.first_k_dense_replace
+        return self.mlp_layer_types[layer] == "sparse"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -103,6 +106,8 @@ class ModelConfig:
         indexer_types = raw.get("indexer_types") or _default_indexer_types(
             num_layers, raw.get("index_topk_freq", 1), raw.get("index_skip_topk_offset", 2)
         )
+        first_dense = min(raw.get("first_k_dense_replace", 0), num_layers)
+        mlp_types = raw.get("mlp_layer_types") or ["dense"] * first_dense + ["sparse"] * (num_layers - first_dense)
         rope = raw.get("rope_parameters") or {}
         rope_theta = rope.get("rope_theta", raw.get("rope_theta", 10000.0))
         if rope.get("rope_type", "default") != "default":
@@ -126,10 +131,11 @@ class ModelConfig:
             index_head_dim=raw["index_head_dim"],
             index_topk=raw["index_topk"],
             indexer_types=tuple(indexer_types),
+            mlp_layer_types=tuple(mlp_types),
             n_routed_experts=raw["n_routed_experts"],
             num_experts_per_tok=raw["num_experts_per_tok"],
             n_shared_experts=raw.get("n_shared_experts", 1),
-            first_k_dense_replace=raw.get("first_k_dense_replace", 0),
+            first_k_dense_replace=first_dense,
             n_group=raw.get("n_group", 1),
             topk_group=raw.get("topk_group", 1),
             routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),

@@ -1,0 +1,150 @@
+"""Async front of the engine: a background thread steps the core; callers stream outputs.
+
+`generate()` is an async generator yielding one `RequestOutput` per step that
+produced tokens for the request. Submissions and aborts cross into the engine
+thread through a locked inbox; outputs come back through each request's
+asyncio queue. A consumer that stops iterating (client gone, task cancelled)
+aborts its request, which frees its pages. If the loop dies, every stream gets
+the error and `is_healthy()` turns false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can make progress."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._adds: list[tuple[str, list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - the engine's Tokenizer
+        return self.engine.tokenizer
+
+    def is_healthy(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams the request's outputs; raises `InvalidRequestError` before anything runs if it cannot."""
+        if not self.is_healthy():
+            raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+        self.engine.validate(prompt_token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._adds.append((request_id, list(prompt_token_ids), params))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+            self._streams.pop(request_id, None)
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the loop after the current step; pending streams get an error."""
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Blocks until no request is queued or running (tests, graceful drain)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._adds and not self._aborts and not self.engine.has_unfinished():
+                    return True
+            time.sleep(0.01)
+        return False
+
+    # --- engine thread --------------------------------------------------------------
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            adds, self._adds = self._adds, []
+            aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            self.engine.abort_request(rid)
+        for rid, prompt, params in adds:
+            try:
+                self.engine.add_request(rid, prompt, params)
+            except ValueError as exc:
+                self._deliver(rid, exc)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if isinstance(item, BaseException) or item.finished:
+                self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(item)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                for output in self.engine.step():
+                    self._deliver(output.request_id, output)
+        except BaseException as exc:  # noqa: BLE001 - any failure ends the loop; streams must hear of it
+            logger.exception("engine loop died")
+            self.error = exc
+        dead = EngineDeadError(f"engine loop stopped: {self.error!r}" if self.error else "engine shut down")
+        with self._lock:
+            streams, self._streams = dict(self._streams), {}
+        for stream in streams.values():
+            stream.put(dead)

@@ -1,0 +1,109 @@
+"""Shared test helpers: building model directories, running the reference, watching logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+
+# Random small GLM-MoE-DSA shapes for the reference comparison: IndexShare and MoE present,
+# index_topk far below the sequence, at least 8 indexer heads (fewer heads tie at ReLU's zero).
+REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
+    "wide-latent": dict(
+        vocab_size=320, hidden_size=96, intermediate_size=192, moe_intermediate_size=48, num_hidden_layers=5,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=128, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=24, index_n_heads=8, index_head_dim=32, index_topk=16,
+        indexer_types=["full", "shared", "full", "shared", "shared"], n_routed_experts=6, num_experts_per_tok=2,
+        first_k_dense_replace=2, n_group=1, topk_group=1, initializer_range=0.1,
+    ),
+    "grouped-router": dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, q_lora_rank=32, kv_lora_rank=64, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, index_n_heads=12, index_head_dim=16, index_topk=24,
+        indexer_types=["full", "full", "shared", "shared"], n_routed_experts=8, num_experts_per_tok=3,
+        first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=False, routed_scaling_factor=1.5,
+        initializer_range=0.1,
+    ),
+}
+
+
+def save_hf_model(cfg_kwargs: dict[str, Any], out: Path, seed: int) -> Path:
+    """A random model saved by transformers itself: the checkpoint format users bring."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    torch.manual_seed(seed)
+    model = GlmMoeDsaForCausalLM(GlmMoeDsaConfig(**cfg_kwargs, eos_token_id=None))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(out)
+    return out
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and their logits from transformers, one decode step at a time."""
+    from transformers import DynamicCache, GlmMoeDsaForCausalLM
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    cache = DynamicCache(config=model.config)
+    ids = torch.tensor([prompt])
+    tokens, logits = [], []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            step = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1].float()
+            logits.append(step)
+            tokens.append(int(step.argmax()))
+            ids = torch.tensor([[tokens[-1]]])
+    return tokens, torch.stack(logits)
+
+
+def hf_logits_of(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits at every position of one full sequence."""
+    from transformers import GlmMoeDsaForCausalLM
+
+    model = GlmMoeDsaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([token_ids])).logits[0].float()
+
+
+class LogitsRecorder:
+    """Keeps every logits row the engine samples from, per request, in order."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.rows: dict[str, list[torch.Tensor]] = {}
+        runner = engine.runner
+        execute = runner.execute
+
+        def recording(scheduled):  # noqa: ANN001, ANN202
+            logits = execute(scheduled)
+            done = [s.request.request_id for s in scheduled if s.completes]
+            for rid, row in zip(done, logits):
+                self.rows.setdefault(rid, []).append(row.clone())
+            return logits
+
+        runner.execute = recording
+
+    def of(self, request_id: str) -> torch.Tensor:
+        return torch.stack(self.rows[request_id])
+
+
+def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(model_dir), **overrides))
+
+
+def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def assert_pages_released(engine: LLMEngine) -> None:
+    """After every request: each page is free or owned by the prefix cache, none held."""
+    engine.check_integrity()
+    assert not engine.has_unfinished()
+    assert engine.kv.num_pages_in_use() == 0
+    assert engine.kv.pool.num_free + engine.kv.cache.num_cached == engine.kv.pool.num_pages
