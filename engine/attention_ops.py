@@ -49,7 +49,9 @@ class TorchAttentionOps:
         index_scores = torch.einsum("nh,nht->nt", weights.float(), scores)
         visible = torch.arange(ctx, device=q.device)[None, :] < limits[:, None]
         index_scores = index_scores.masked_fill(~visible, float("-inf"))
-        positions = index_scores.topk(k, dim=-1).indices
+        # A stable sort breaks ties (ReLU makes exact zeros common) by position, the same way
+        # whatever the chunking or batching, so chunked prefill selects what one-shot selects.
+        positions = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
         return TopK(positions, torch.clamp(limits, max=k))
 
     def sparse_mla(

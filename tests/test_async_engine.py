@@ -1,0 +1,61 @@
+"""Async API: streaming, cancellation frees everything, errors reach the caller."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.request import InvalidRequestError, SamplingParams
+
+
+@pytest.fixture
+def engine(tiny_dir: Path):
+    eng = AsyncEngine(EngineConfig(model=str(tiny_dir), enable_prefix_cache=False))
+    yield eng
+    eng.shutdown()
+
+
+def test_streams_tokens_as_they_arrive(engine: AsyncEngine) -> None:
+    async def run() -> list:
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        return [o async for o in engine.generate([5, 6, 7, 8], params)]
+
+    outputs = asyncio.run(run())
+    assert len(outputs) == 6
+    assert [len(o.token_ids) for o in outputs] == [1, 2, 3, 4, 5, 6]
+    assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    assert "".join(o.text_delta for o in outputs) == outputs[-1].text
+
+
+def test_concurrent_streams_and_cancellation_free_pages(engine: AsyncEngine) -> None:
+    async def consume(prompt: list[int], n: int, stop_after: int | None) -> int:
+        got = 0
+        async for _ in engine.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
+            got += 1
+            if stop_after is not None and got == stop_after:
+                break  # the consumer walks away mid-stream
+        return got
+
+    async def run() -> list[int]:
+        return await asyncio.gather(
+            consume(list(range(1, 90)), 200, 3), consume([9, 8, 7], 5, None), consume([4] * 70, 8, None)
+        )
+
+    assert asyncio.run(run()) == [3, 5, 8]
+    assert engine.wait_idle()
+    assert engine.engine.kv.num_pages_in_use() == 0
+    engine.engine.check_integrity()
+
+
+def test_invalid_request_raises_before_streaming(engine: AsyncEngine) -> None:
+    async def run() -> None:
+        async for _ in engine.generate([], SamplingParams()):
+            pass
+
+    with pytest.raises(InvalidRequestError, match="empty"):
+        asyncio.run(run())
+    assert engine.is_healthy()

@@ -1,0 +1,162 @@
+"""Engine behaviour on the tiny model: chunking, batching, prefix reuse, pressure, stops, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.request import InvalidRequestError, SamplingParams
+from tests.helpers import LogitsRecorder, assert_pages_released, greedy, make_engine
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 380, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_chunked_prefill_equals_one_shot(tiny_dir: Path) -> None:
+    prompt = _prompt(150, 1)
+    whole = make_engine(tiny_dir, max_num_batched_tokens=512)
+    chunked = make_engine(tiny_dir, max_num_batched_tokens=40)
+    rec_whole, rec_chunked = LogitsRecorder(whole), LogitsRecorder(chunked)
+    [a] = whole.generate([prompt], [greedy(12)])
+    [b] = chunked.generate([prompt], [greedy(12)])
+    assert a.token_ids == b.token_ids
+    torch.testing.assert_close(rec_chunked.of(b.request_id), rec_whole.of(a.request_id), rtol=1e-5, atol=1e-5)
+    assert chunked.num_steps > whole.num_steps
+    assert_pages_released(whole)
+    assert_pages_released(chunked)
+
+
+def test_batched_equals_solo(tiny_dir: Path) -> None:
+    prompts = [_prompt(n, s) for s, n in enumerate([90, 33, 140, 64])]
+    solo = []
+    for p in prompts:
+        engine = make_engine(tiny_dir)
+        solo.append(engine.generate([p], [greedy(10)])[0].token_ids)
+    engine = make_engine(tiny_dir, max_num_batched_tokens=100)
+    batched = engine.generate(prompts, [greedy(10)] * len(prompts))
+    assert [o.token_ids for o in batched] == solo
+    assert_pages_released(engine)
+
+
+def test_prefix_cache_reuse_gives_same_tokens(tiny_dir: Path) -> None:
+    engine = make_engine(tiny_dir)
+    per_page = engine.kv.indexer_page_tokens
+    shared = _prompt(per_page + 100, 7)
+    first = shared + _prompt(20, 8)
+    second = shared + _prompt(30, 9)
+    [a] = engine.generate([first], [greedy(8)])
+    assert a.num_cached_tokens == 0
+    [b] = engine.generate([second], [greedy(8)])
+    assert b.num_cached_tokens == per_page  # reuse in whole indexer pages
+    assert engine.stats()["prefix_cache_hit_tokens"] == per_page
+    fresh = make_engine(tiny_dir, enable_prefix_cache=False)
+    [c] = fresh.generate([second], [greedy(8)])
+    assert b.token_ids == c.token_ids
+    assert_pages_released(engine)
+    assert engine.kv.cache.num_cached > 0
+
+
+def test_preemption_under_pressure_is_lossless(tiny_dir: Path) -> None:
+    # All three fit at admission (3 pages each) but not once they grow past 128 tokens.
+    prompts = [_prompt(n, 20 + n) for n in (120, 110, 100)]
+    ample = make_engine(tiny_dir, enable_prefix_cache=False)
+    expected = [o.token_ids for o in ample.generate(prompts, [greedy(40)] * 3)]
+    tight = make_engine(tiny_dir, num_gpu_pages=10, enable_prefix_cache=False)
+    got = tight.generate(prompts, [greedy(40)] * 3)
+    assert [o.token_ids for o in got] == expected
+    assert tight.stats()["preemptions"] > 0
+    assert_pages_released(tight)
+
+
+def test_accounting_holds_after_every_step(tiny_dir: Path) -> None:
+    engine = make_engine(tiny_dir, num_gpu_pages=14, max_num_batched_tokens=64, max_num_seqs=3)
+    for i, n in enumerate([120, 40, 250, 10, 75]):
+        engine.add_request(f"r{i}", _prompt(n, i), greedy(15 + i))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        engine.check_integrity()
+        steps += 1
+        if steps == 6:
+            assert engine.abort_request("r2")
+    assert_pages_released(engine)
+
+
+def test_stop_conditions(tiny_dir: Path) -> None:
+    engine = make_engine(tiny_dir)
+    prompt = _prompt(40, 3)
+    [free_run] = engine.generate([prompt], [greedy(30)])
+    text = free_run.text
+    assert len(text) > 6
+    stop = text[3:6]
+    [stopped] = engine.generate([prompt], [greedy(30, stop=(stop,))])
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[: text.index(stop)]
+    eos = free_run.token_ids[5]
+    engine.eos_token_ids.add(eos)
+    [eos_run] = engine.generate([prompt], [SamplingParams(max_tokens=30)])
+    assert eos_run.finish_reason == "stop" and eos_run.token_ids[-1] == eos
+    assert len(eos_run.token_ids) == free_run.token_ids.index(eos) + 1
+    [short] = engine.generate([prompt], [greedy(4)])
+    assert short.finish_reason == "length" and len(short.token_ids) == 4
+
+
+def test_max_model_len_stops_generation(tiny_dir: Path) -> None:
+    engine = make_engine(tiny_dir, max_model_len=50)
+    [out] = engine.generate([_prompt(45, 2)], [greedy(100)])
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_dir: Path) -> None:
+    prompt = _prompt(30, 4)
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    engine = make_engine(tiny_dir)
+    [a] = engine.generate([prompt], [params])
+    others = [_prompt(50, 5), _prompt(20, 6)]
+    b = engine.generate([others[0], prompt, others[1]], [greedy(12), params, params])[1]
+    assert a.token_ids == b.token_ids
+    [c] = engine.generate([prompt], [SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)])
+    assert c.token_ids != a.token_ids
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], greedy(4), "empty"),
+        ([1, 2, 100000], greedy(4), "token ids"),
+        ([1, -3], greedy(4), "token ids"),
+        (list(range(10)) * 60, greedy(4), "maximum context length"),
+    ],
+)
+def test_invalid_requests_are_refused_clearly(tiny_dir: Path, prompt: list[int], params, message: str) -> None:
+    engine = make_engine(tiny_dir, max_model_len=512)
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.add_request("bad", prompt, params)
+    [ok] = engine.generate([[1, 2, 3]], [greedy(3)])  # the engine keeps serving
+    assert len(ok.token_ids) == 3
+    assert_pages_released(engine)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(stop=("",)), "stop"),
+    ],
+)
+def test_invalid_sampling_values(kwargs: dict, message: str) -> None:
+    with pytest.raises(InvalidRequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_request_larger_than_pool_is_refused(tiny_dir: Path) -> None:
+    engine = make_engine(tiny_dir, num_gpu_pages=4)
+    with pytest.raises(InvalidRequestError, match="KV pool"):
+        engine.add_request("big", _prompt(300, 1), greedy(10))
