@@ -11,18 +11,22 @@ the error and `is_healthy()` turns false.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -45,6 +49,7 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._adds: list[tuple[str, list[int], SamplingParams]] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = []
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._stopped = False
@@ -86,6 +91,14 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs `fn(engine)` on the engine thread between steps (page transfers, stats)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._calls.append((fn, future))
+        self._wake.set()
+        return await asyncio.wrap_future(future)
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             self._aborts.append(request_id)
@@ -103,7 +116,7 @@ class AsyncEngine:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._adds and not self._aborts and not self.engine.has_unfinished():
+                if not (self._adds or self._aborts or self._calls or self.engine.has_unfinished()):
                     return True
             time.sleep(0.01)
         return False
@@ -114,6 +127,12 @@ class AsyncEngine:
         with self._lock:
             adds, self._adds = self._adds, []
             aborts, self._aborts = self._aborts, []
+            calls, self._calls = self._calls, []
+        for fn, future in calls:
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - the caller gets the failure
+                future.set_exception(exc)
         for rid in aborts:
             self.engine.abort_request(rid)
         for rid, prompt, params in adds:

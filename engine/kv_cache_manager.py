@@ -51,27 +51,34 @@ class KVCacheManager:
     def num_available(self) -> int:
         return self.cache.num_available
 
-    def match_prefix(self, req: Request) -> int:
-        """Attaches cached pages of the longest reusable prefix of `req`'s tokens; returns its token count."""
-        if not self.enable_prefix_cache:
-            return 0
-        tokens = req.all_token_ids
-        req.page_hashes = chain_hashes(tokens, self.page_size)
+    def lookup_prefix(self, token_ids: list[int]) -> tuple[list[bytes], list[int], list[int]]:
+        """(page hashes, cached MLA pages, cached indexer pages) of the longest reusable prefix.
+
+        Reuse stops one token short of the whole sequence and is whole indexer pages long.
+        Nothing is acquired: callers take references before the pages can be evicted.
+        """
+        hashes = chain_hashes(token_ids, self.page_size)
         per_idx = self.indexer_page_tokens // self.page_size
-        max_pages = (len(tokens) - 1) // self.page_size
         mla: list[int] = []
-        for h in req.page_hashes[:max_pages]:
+        for h in hashes[: (len(token_ids) - 1) // self.page_size]:
             page = self.cache.lookup(PageUse.MLA, h)
             if page is None:
                 break
             mla.append(page)
         idx: list[int] = []
         while (len(idx) + 1) * per_idx <= len(mla):
-            page = self.cache.lookup(PageUse.INDEXER, req.page_hashes[(len(idx) + 1) * per_idx - 1])
+            page = self.cache.lookup(PageUse.INDEXER, hashes[(len(idx) + 1) * per_idx - 1])
             if page is None:
                 break
             idx.append(page)
-        mla = mla[: len(idx) * per_idx]
+        return hashes, mla[: len(idx) * per_idx], idx
+
+    def match_prefix(self, req: Request) -> int:
+        """Attaches cached pages of the longest reusable prefix of `req`'s tokens; returns its token count."""
+        if not self.enable_prefix_cache:
+            return 0
+        tokens = req.all_token_ids
+        req.page_hashes, mla, idx = self.lookup_prefix(tokens)
         for page in mla + idx:
             self.cache.acquire(page)
         req.mla_pages, req.indexer_pages = mla, idx

@@ -160,3 +160,24 @@ def test_request_larger_than_pool_is_refused(tiny_dir: Path) -> None:
     engine = make_engine(tiny_dir, num_gpu_pages=4)
     with pytest.raises(InvalidRequestError, match="KV pool"):
         engine.add_request("big", _prompt(300, 1), greedy(10))
+
+
+def test_prefix_moves_between_engines(tiny_dir: Path) -> None:
+    """A prefix computed by one engine, installed in another, is reused there unchanged."""
+    from engine.prefix_transfer import install_prefix, snapshot_prefix
+
+    prefill, decode = make_engine(tiny_dir), make_engine(tiny_dir)
+    per_page = prefill.kv.indexer_page_tokens
+    prompt = _prompt(per_page + 90, 11)
+    prefill.generate([prompt], [greedy(1)])
+    snap = snapshot_prefix(prefill.kv, prefill.runner.kv_pool, prompt)
+    assert snap.num_tokens == per_page
+    assert install_prefix(decode.kv, decode.runner.kv_pool, prompt, snap) == per_page
+    decode.check_integrity()
+    [moved] = decode.generate([prompt], [greedy(10)])
+    assert moved.num_cached_tokens == per_page
+    [local] = make_engine(tiny_dir).generate([prompt], [greedy(10)])
+    assert moved.token_ids == local.token_ids
+    with pytest.raises(ValueError, match="hashes"):
+        install_prefix(decode.kv, decode.runner.kv_pool, list(reversed(prompt)), snap)
+    assert_pages_released(decode)

@@ -1,0 +1,86 @@
+"""Moving a computed prefix between engines: snapshot its cached pages, install them elsewhere.
+
+A prefill replica computes a prompt, then `snapshot_prefix` copies the prompt's
+cached pages (whole MLA pages and the indexer pages they complete) to host
+memory. A decode replica `install_prefix`es them into its own prefix cache, so
+the request it then admits finds its prefix cached like any other reuse. The
+page hashes travel with the bytes and are checked against the receiver's own
+hashing of the token ids, so bytes only ever land under the prefix they belong to.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.page_pool import PageUse
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefixSnapshot:
+    """Host copy of the cached pages covering the first `num_tokens` tokens."""
+
+    num_tokens: int
+    page_hashes: list[bytes]  # chained hash per MLA page of the prefix
+    mla: torch.Tensor  # [num_mla_pages, page_bytes] uint8, CPU
+    indexer: torch.Tensor  # [num_indexer_pages, page_bytes] uint8, CPU
+
+
+def snapshot_prefix(kv: KVCacheManager, pool: torch.Tensor, token_ids: list[int]) -> PrefixSnapshot:
+    """Copies the cached reusable prefix of `token_ids` out of the pool."""
+    hashes, mla, idx = kv.lookup_prefix(token_ids)
+    pages = torch.tensor(mla + idx, dtype=torch.long, device=pool.device)
+    data = pool[pages].cpu() if len(pages) else torch.empty(0, pool.shape[1], dtype=torch.uint8)
+    return PrefixSnapshot(len(mla) * kv.page_size, hashes[: len(mla)], data[: len(mla)], data[len(mla) :])
+
+
+def install_prefix(kv: KVCacheManager, pool: torch.Tensor, token_ids: list[int], snap: PrefixSnapshot) -> int:
+    """Adds the snapshot's pages to the prefix cache; returns the prefix tokens now cached.
+
+    Pages already cached are kept; the rest are written into fresh pages while
+    pages are available. Raises ValueError when the snapshot does not belong to
+    `token_ids` (hash mismatch) or has the wrong page size.
+    """
+    if snap.mla.shape[1:] != (pool.shape[1],) or snap.indexer.shape[1:] != (pool.shape[1],):
+        raise ValueError(f"snapshot pages are not {pool.shape[1]} bytes: the two engines differ in layout")
+    hashes, _, _ = kv.lookup_prefix(token_ids)
+    if hashes[: len(snap.page_hashes)] != snap.page_hashes:
+        raise ValueError("snapshot page hashes do not match these token ids")
+    per_idx = kv.indexer_page_tokens // kv.page_size
+    held: list[int] = []  # pages of this prefix, pinned until the end so installing cannot evict them
+    installed_idx = 0
+    try:
+        for j in range(snap.indexer.shape[0]):
+            group = [(PageUse.MLA, snap.page_hashes[i], snap.mla[i]) for i in range(j * per_idx, (j + 1) * per_idx)]
+            group.append((PageUse.INDEXER, snap.page_hashes[(j + 1) * per_idx - 1], snap.indexer[j]))
+            if not _install_pages(kv, pool, group, held):
+                break
+            installed_idx += 1
+    finally:
+        for page in held:
+            kv.cache.release(page)
+    logger.debug("installed %d of %d indexer pages of a prefix", installed_idx, snap.indexer.shape[0])
+    return installed_idx * per_idx * kv.page_size
+
+
+def _install_pages(kv: KVCacheManager, pool: torch.Tensor, pages: list[tuple], held: list[int]) -> bool:
+    """Caches every page of `pages` (use, key, bytes) or none; pins them in `held`."""
+    missing = [p for p in pages if kv.cache.lookup(p[0], p[1]) is None]
+    if len(missing) > kv.num_available:
+        return False
+    for use, key, _ in pages:
+        page = kv.cache.lookup(use, key)
+        if page is not None:
+            kv.cache.acquire(page)
+            held.append(page)
+    for use, key, data in missing:
+        [page] = kv.cache.allocate(1, use)
+        pool[page].copy_(data.to(pool.device))
+        kv.cache.insert(page, use, key)
+        held.append(page)
+    return True
