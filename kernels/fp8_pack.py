@@ -1,0 +1,179 @@
+"""FP8 row packing at KV write: rows quantised and stored straight into the page pool.
+
+At every forward the new tokens' MLA rows (normed latent [N, Dl] + roped key
+[N, Dr]) and indexer keys [N, D] are packed into the byte formats of
+`kernels/fp8_rows.py` and written into the pool at the tokens' slots of one
+layer, without an intermediate rows tensor. Where a row lands is a
+`RowPlacement`:
+
+    byte = (slot // tokens_per_page) * page_bytes + row_offset
+           + (slot % tokens_per_page) * token_stride
+
+MLA layer `l` in IndexShare group `g` at position `j`: tokens_per_page = page
+size, row_offset = group_offset(g) + j * mla_row_bytes, token_stride =
+group_run_bytes[g]. Indexer (full layer number `f`): tokens_per_page =
+indexer_tokens_per_page, row_offset = f * tokens_per_page * indexer_row_bytes,
+token_stride = indexer_row_bytes.
+
+The result equals the `fp8_rows` twins byte for byte: scales and quotients use
+IEEE division (`div_rn`), and fp32 -> e4m3fn / bf16 rounding is done in integer
+arithmetic (round to nearest even, as torch's `.to(torch.float8_e4m3fn)` and
+`.to(torch.bfloat16)` do) so the CUDA build and the CPU interpreter agree with
+torch. NaN inputs are out of scope. Slots must be distinct.
+
+The reference is `fp8_rows` run on the CPU. Run on CUDA, `fp8_rows` itself can
+differ in the last bit of a scale (torch's CUDA division by the Python scalar
+448 multiplies by its reciprocal): on an H200, 4096 GLM-shaped rows, 10,577 of
+2.7 MB bytes differed from its CPU run, while this kernel matched the CPU run
+byte for byte (bench/gpu_check_residency.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import fp8_rows
+
+
+class RowPlacement(NamedTuple):
+    """Where the rows of one layer live inside a page (see the module docstring)."""
+
+    tokens_per_page: int  # tokens of this row kind per page
+    row_offset: int  # byte offset of token 0's row inside a page
+    token_stride: int  # bytes from one token's row to the next
+
+
+@triton.jit
+def _e4m3_bits(q):
+    """fp32 in [-448, 448] -> e4m3fn code (uint32), round to nearest even."""
+    bits = q.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    exp = mag >> 23
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960  # rebias 127 -> 7 (120 << 3)
+    shift = tl.minimum(141 - tl.minimum(exp, 120), 31)  # subnormal: value * 2^9 as an integer
+    mant = (mag & 0x7FFFFF) | 0x800000
+    whole = mant >> shift
+    rest = mant & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    up = (rest > half) | ((rest == half) & ((whole & 1) == 1))
+    sub = whole + up.to(tl.uint32)
+    return tl.where(exp >= 121, normal, sub) | sign
+
+
+@triton.jit
+def _bf16_bits(x):
+    """fp32 -> bf16 bits (uint32), round to nearest even."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@triton.jit
+def _pack_kernel(
+    x_ptr, rope_ptr, pool_ptr, slots_ptr,
+    x_stride, rope_stride, page_bytes, row_offset, token_stride,
+    TOKENS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
+    NB_P: tl.constexpr, BS_P: tl.constexpr, DR: tl.constexpr, DR_P: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    row = pool_ptr + (slot // TOKENS) * page_bytes + row_offset + (slot % TOKENS) * token_stride
+
+    blk = tl.arange(0, NB_P)
+    col = tl.arange(0, BS_P)
+    mask = (blk[:, None] < NB) & (col[None, :] < BS)
+    x = tl.load(x_ptr + n * x_stride + blk[:, None] * BS + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), 1)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+    q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    tl.store(row + blk[:, None] * BS + col[None, :], _e4m3_bits(q).to(tl.uint8), mask=mask)
+
+    four = tl.arange(0, 4)
+    scale_bytes = (scale.to(tl.uint32, bitcast=True)[:, None] >> (8 * four[None, :]).to(tl.uint32)) & 0xFF
+    tl.store(row + D + 4 * blk[:, None] + four[None, :], scale_bytes.to(tl.uint8), mask=blk[:, None] < NB)
+
+    if DR > 0:
+        r = tl.arange(0, DR_P)
+        rope = tl.load(rope_ptr + n * rope_stride + r, mask=r < DR, other=0.0).to(tl.float32)
+        two = tl.arange(0, 2)
+        rope_bytes = (_bf16_bits(rope)[:, None] >> (8 * two[None, :]).to(tl.uint32)) & 0xFF
+        tl.store(row + D + 4 * NB + 2 * r[:, None] + two[None, :], rope_bytes.to(tl.uint8), mask=r[:, None] < DR)
+
+
+def _check(values: list[tuple[str, torch.Tensor]], pool: torch.Tensor, slots: torch.Tensor,
+           place: RowPlacement, row_bytes: int) -> None:
+    n = slots.shape[0] if slots.dim() == 1 else -1
+    if n < 0 or slots.dtype not in (torch.int32, torch.int64) or slots.device != pool.device:
+        raise ValueError("slots must be a 1-D int32/int64 tensor on the pool's device")
+    for name, t in values:
+        if t.dim() != 2 or t.shape[0] != n or not t.is_floating_point() or t.device != pool.device:
+            raise ValueError(f"{name} must be a [N, dim] float tensor on the pool's device")
+        if t.stride(1) != 1:
+            raise ValueError(f"{name} rows must be contiguous")
+    if pool.dim() != 2 or pool.dtype != torch.uint8 or not pool.is_contiguous():
+        raise ValueError("pool must be a contiguous [pages, page_bytes] uint8 tensor")
+    tokens, offset, stride = place
+    if tokens <= 0 or offset < 0 or stride < row_bytes or offset + (tokens - 1) * stride + row_bytes > pool.shape[1]:
+        raise ValueError(f"{place} does not fit {row_bytes}-byte rows in a {pool.shape[1]}-byte page")
+
+
+def _launch(x: torch.Tensor, rope: torch.Tensor | None, pool: torch.Tensor, slots: torch.Tensor,
+            place: RowPlacement, num_blocks: int) -> None:
+    n, d = x.shape
+    dr = 0 if rope is None else rope.shape[1]
+    if n == 0:
+        return
+    bs = d // num_blocks
+    _pack_kernel[(n,)](
+        x, x if rope is None else rope, pool, slots,
+        x.stride(0), 0 if rope is None else rope.stride(0), pool.shape[1], place.row_offset, place.token_stride,
+        TOKENS=place.tokens_per_page, D=d, NB=num_blocks, BS=bs,
+        NB_P=triton.next_power_of_2(num_blocks), BS_P=triton.next_power_of_2(bs),
+        DR=dr, DR_P=triton.next_power_of_2(max(dr, 1)), num_warps=4,
+    )
+
+
+def pack_mla_rows_into(latent: torch.Tensor, rope: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                       place: RowPlacement) -> None:
+    """[N, Dl] latent + [N, Dr] rope -> FP8 MLA rows at `slots` of one layer of `pool`."""
+    row_bytes = fp8_rows.mla_row_bytes(latent.shape[1], rope.shape[1])
+    _check([("latent", latent), ("rope", rope)], pool, slots, place, row_bytes)
+    _launch(latent, rope, pool, slots, place, fp8_rows.num_scale_blocks(latent.shape[1]))
+
+
+def pack_indexer_rows_into(keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                           place: RowPlacement) -> None:
+    """[N, D] indexer keys -> FP8 indexer rows at `slots` of one full layer of `pool`."""
+    _check([("keys", keys)], pool, slots, place, fp8_rows.indexer_row_bytes(keys.shape[1]))
+    _launch(keys, None, pool, slots, place, 1)
+
+
+# --- PyTorch twins -------------------------------------------------------------------
+
+
+def _scatter_rows(rows: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, place: RowPlacement) -> None:
+    slots = slots.long()
+    base = (slots // place.tokens_per_page) * pool.shape[1] + place.row_offset
+    base = base + (slots % place.tokens_per_page) * place.token_stride
+    idx = base[:, None] + torch.arange(rows.shape[1], device=pool.device)
+    pool.view(-1)[idx.reshape(-1)] = rows.reshape(-1)
+
+
+def pack_mla_rows_into_reference(latent: torch.Tensor, rope: torch.Tensor, pool: torch.Tensor,
+                                 slots: torch.Tensor, place: RowPlacement) -> None:
+    """Twin of `pack_mla_rows_into` through `fp8_rows.pack_mla_rows`."""
+    _check([("latent", latent), ("rope", rope)], pool, slots, place,
+           fp8_rows.mla_row_bytes(latent.shape[1], rope.shape[1]))
+    _scatter_rows(fp8_rows.pack_mla_rows(latent, rope), pool, slots, place)
+
+
+def pack_indexer_rows_into_reference(keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                                     place: RowPlacement) -> None:
+    """Twin of `pack_indexer_rows_into` through `fp8_rows.pack_indexer_rows`."""
+    _check([("keys", keys)], pool, slots, place, fp8_rows.indexer_row_bytes(keys.shape[1]))
+    _scatter_rows(fp8_rows.pack_indexer_rows(keys), pool, slots, place)

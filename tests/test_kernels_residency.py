@@ -1,0 +1,301 @@
+"""Residency kernels against their PyTorch twins and a pure-Python LRU model (CPU, Triton interpreter).
+
+Covers `kernels/resolve.py` (resident / hot hit / miss classification, LRU
+victim choice, reverse map, host -> hot slot copies), `kernels/page_mirror.py`
+and `kernels/fp8_pack.py`. Outputs start poisoned and every element is
+compared, including the bytes a kernel must leave alone.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere
+
+import random  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels import fp8_pack, fp8_rows, page_mirror, resolve  # noqa: E402
+
+PAGE = 64
+ROW = 20  # bytes per layer row in the small layout
+GROUP_SIZES = (1, 3)  # two IndexShare groups: {0}, {1, 2, 3}
+PAGE_BYTES = PAGE * sum(GROUP_SIZES) * ROW
+
+
+def group_place(group: int) -> tuple[int, int]:
+    """(byte offset, run bytes) of an IndexShare group in the small layout."""
+    return PAGE * ROW * sum(GROUP_SIZES[:group]), GROUP_SIZES[group] * ROW
+
+
+def runs_view(pool: torch.Tensor, group: int) -> torch.Tensor:
+    offset, run = group_place(group)
+    return pool[:, offset : offset + PAGE * run].unflatten(1, (PAGE, run))
+
+
+# --- resolve: a batch of requests with page tables and hot buffers ------------------------
+
+
+@dataclass
+class ResolveCase:
+    """A batch's residency inputs; `state()` clones the tensors the resolve mutates."""
+
+    ctx: list[int]
+    gpu_page: torch.Tensor  # [B, max_pages]
+    host_page: torch.Tensor  # [B, max_pages]
+    hot_slots: torch.Tensor  # [B, R]
+    slot_pos: torch.Tensor  # [B, R]
+    slot_stamp: torch.Tensor  # [B, R]
+    pos_to_hot: torch.Tensor  # [B, max_ctx]
+    gpu_pool: torch.Tensor
+    host_pool: torch.Tensor
+
+    def state(self):
+        return [t.clone() for t in (self.slot_pos, self.slot_stamp, self.pos_to_hot, self.gpu_pool)]
+
+
+def make_case(rng: random.Random, ctx: list[int], num_hot: int, max_ctx: int, step: int,
+              stamp_dtype=torch.int64, map_dtype=torch.int16) -> ResolveCase:
+    b, max_pages = len(ctx), max_ctx // PAGE
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    num_gpu_pages = b * max_pages + b * (num_hot // PAGE + 2)
+    gpu_pool = torch.randint(0, 256, (num_gpu_pages, PAGE_BYTES), dtype=torch.uint8, generator=gen)
+    host_pool = torch.randint(0, 256, (b * max_pages + 3, PAGE_BYTES), dtype=torch.uint8, generator=gen)
+    gpu_page = torch.full((b, max_pages), -1, dtype=torch.int32)
+    host_page = torch.randperm(host_pool.shape[0], generator=gen)[: b * max_pages].view(b, max_pages).int()
+    free_gpu = torch.randperm(b * max_pages, generator=gen).tolist()
+    hot_pool_slots = torch.arange(b * max_pages * PAGE, num_gpu_pages * PAGE)
+    hot_slots = hot_pool_slots[torch.randperm(len(hot_pool_slots), generator=gen)[: b * num_hot]]
+    slot_pos = torch.full((b, num_hot), -1, dtype=torch.int32)
+    slot_stamp = torch.randint(0, max(step, 1), (b, num_hot), generator=gen).to(stamp_dtype)
+    pos_to_hot = torch.full((b, max_ctx), -1, dtype=map_dtype)
+    for i, n in enumerate(ctx):
+        for p in range((n - 1) // PAGE + 1):
+            if p == (n - 1) // PAGE or rng.random() < 0.25:  # tail page always resident
+                gpu_page[i, p] = free_gpu.pop()
+        cold = [pos for pos in range(n) if gpu_page[i, pos // PAGE] < 0]
+        held = rng.sample(cold, min(len(cold), rng.randrange(num_hot + 1)))
+        for pos, slot in zip(held, rng.sample(range(num_hot), len(held))):
+            slot_pos[i, slot], pos_to_hot[i, pos] = pos, slot
+            phys = hot_slots[i * num_hot + slot].item()
+            for g in range(len(GROUP_SIZES)):  # a held position's rows are in its hot slot
+                src = runs_view(host_pool, g)[host_page[i, pos // PAGE], pos % PAGE]
+                runs_view(gpu_pool, g)[phys // PAGE, phys % PAGE] = src
+    return ResolveCase(ctx, gpu_page, host_page, hot_slots.view(b, num_hot).int().contiguous(),
+                       slot_pos, slot_stamp, pos_to_hot, gpu_pool, host_pool)
+
+
+def make_topk(rng: random.Random, ctx: list[int], k: int, previous: list[list[int]] | None = None):
+    """Unique positions per row, the newest token first, about half reused from `previous`."""
+    topk = torch.full((len(ctx), k), 1 << 20, dtype=torch.int32)  # poison past count
+    rows = []
+    for i, n in enumerate(ctx):
+        count = min(n, k) if rng.random() < 0.7 else rng.randrange(min(n, k) + 1)
+        picked = [n - 1] if count else []
+        reuse = [p for p in (previous[i] if previous else []) if p < n - 1]
+        for p in rng.sample(reuse, min(len(reuse), count // 2)) + rng.sample(range(n - 1), max(0, count - 1)):
+            if len(picked) < count and p not in picked:
+                picked.append(p)
+        rows.append(picked)
+        topk[i, : len(picked)] = torch.tensor(picked, dtype=torch.int32)
+    counts = torch.tensor([len(r) for r in rows], dtype=torch.int32)
+    return topk, counts, rows
+
+
+def run_resolve(fn, case: ResolveCase, topk, counts, state, step, group):
+    slot_pos, slot_stamp, pos_to_hot, gpu_pool = state
+    offset, run = group_place(group)
+    out = torch.full(topk.shape, -7, dtype=torch.int32)  # poisoned output
+    return fn(topk, counts, case.gpu_page, case.host_page, case.hot_slots, slot_pos, slot_stamp, pos_to_hot,
+              step, offset, run, gpu_pool, case.host_pool, out=out)
+
+
+@pytest.mark.parametrize("seed,ctx,k,num_hot,step,stamp_dtype,map_dtype", [
+    (0, [5, 300, 384, 64], 16, 24, 9, torch.int64, torch.int16),
+    (1, [130, 1, 200], 32, 40, 9, torch.int32, torch.int32),
+    (2, [256, 90], 16, 16, 9, torch.int64, torch.int16),  # R == K: misses can exceed free slots
+    (3, [250, 256, 129], 24, 8, 9, torch.int32, torch.int16),  # R < count: caller broke the guarantee
+    (4, [384, 300, 200], 16, 20, 1 << 40, torch.int64, torch.int16),  # wide stamp range: many search rounds
+    (5, [384, 384], 32, 48, 2_000_000_000, torch.int32, torch.int32),
+])
+def test_resolve_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtype):
+    rng = random.Random(seed)
+    case = make_case(rng, ctx, num_hot, 384, step=step, stamp_dtype=stamp_dtype, map_dtype=map_dtype)
+    topk, counts, _ = make_topk(rng, ctx, k)
+    for group in (0, 1):
+        got_state, want_state = case.state(), case.state()
+        got = run_resolve(resolve.resolve_group, case, topk, counts, got_state, step, group)
+        want = run_resolve(resolve.resolve_group_reference, case, topk, counts, want_state, step, group)
+        assert torch.equal(got.kv_slots, want.kv_slots)
+        assert torch.equal(got.num_copied, want.num_copied)
+        for g, w in zip(got_state, want_state):
+            assert torch.equal(g, w)
+
+
+# --- resolve: step-by-step against a pure-Python LRU model ---------------------------------
+
+
+class LruModel:
+    """Per request: hot slot -> (position, stamp); victims are the least recently used slots not used this step."""
+
+    def __init__(self, case: ResolveCase):
+        self.pos = case.slot_pos.tolist()
+        self.stamp = case.slot_stamp.tolist()
+        self.hot = case.hot_slots.tolist()
+
+    def step(self, i: int, picked: list[int], gpu_page: list[int], step: int):
+        """Returns (kv slots, [(position, hot slot)] copied)."""
+        where = {p: r for r, p in enumerate(self.pos[i]) if p >= 0}
+        kinds = []
+        for p in picked:
+            if gpu_page[p // PAGE] >= 0:
+                kinds.append(("resident", gpu_page[p // PAGE] * PAGE + p % PAGE))
+            elif p in where:
+                self.stamp[i][where[p]] = step
+                kinds.append(("hit", where[p]))
+            else:
+                kinds.append(("miss", None))
+        free = [r for r in range(len(self.pos[i])) if self.pos[i][r] < 0 or self.stamp[i][r] < step]
+        free.sort(key=lambda r: (-1 if self.pos[i][r] < 0 else self.stamp[i][r], r))
+        num_miss = sum(kind == "miss" for kind, _ in kinds)
+        victims = sorted(free[:num_miss])
+        kv, copies = [], []
+        for p, (kind, v) in zip(picked, kinds):
+            if kind == "resident":
+                kv.append(v)
+            elif kind == "hit":
+                kv.append(self.hot[i][v])
+            elif victims:
+                r = victims.pop(0)
+                self.pos[i][r], self.stamp[i][r] = p, step
+                kv.append(self.hot[i][r])
+                copies.append((p, self.hot[i][r]))
+            else:
+                kv.append(-1)
+        return kv, copies
+
+
+@pytest.mark.parametrize("seed,num_hot,group", [(10, 24, 1), (11, 16, 0)])
+def test_resolve_lru_simulation(seed, num_hot, group):
+    rng = random.Random(seed)
+    k, ctx = 16, [70, 20, 180, 130]
+    case = make_case(rng, ctx, num_hot, 256, step=1)
+    model = LruModel(case)
+    slot_pos, slot_stamp, pos_to_hot, gpu_pool = case.state()
+    host_runs = runs_view(case.host_pool, group)
+    previous = None
+    for step in range(1, 7):
+        ctx = [n + 1 for n in ctx]
+        for i, n in enumerate(ctx):  # decode: the newest token's page is resident
+            if case.gpu_page[i, (n - 1) // PAGE] < 0:
+                case.gpu_page[i, (n - 1) // PAGE] = int(case.gpu_page.max()) + 1
+        if step == 4:  # demote every resident page but the tail of request 2
+            tail = case.gpu_page[2, (ctx[2] - 1) // PAGE].item()
+            case.gpu_page[2] = -1
+            case.gpu_page[2, (ctx[2] - 1) // PAGE] = tail
+        topk, counts, previous = make_topk(rng, ctx, k, previous)
+        expect_pool = gpu_pool.clone()
+        got = resolve.resolve_group(topk, counts, case.gpu_page, case.host_page, case.hot_slots, slot_pos,
+                                    slot_stamp, pos_to_hot, step, *group_place(group), gpu_pool, case.host_pool)
+        for i, picked in enumerate(previous):
+            kv, copies = model.step(i, picked, case.gpu_page[i].tolist(), step)
+            assert got.kv_slots[i].tolist() == kv + [-1] * (k - len(kv))
+            assert got.num_copied[i].item() == len(copies)
+            for p, slot in copies:
+                runs_view(expect_pool, group)[slot // PAGE, slot % PAGE] = host_runs[case.host_page[i, p // PAGE], p % PAGE]
+            assert slot_pos[i].tolist() == model.pos[i]
+            held = {p: r for r, p in enumerate(model.pos[i]) if p >= 0}
+            assert pos_to_hot[i].tolist() == [held.get(p, -1) for p in range(pos_to_hot.shape[1])]
+            for r, p in enumerate(model.pos[i]):
+                if p >= 0:
+                    assert slot_stamp[i, r].item() == model.stamp[i][r]
+            for p, slot in zip(picked, kv):  # every selected row reads the bytes that left for host
+                if case.gpu_page[i, p // PAGE] < 0:
+                    want = host_runs[case.host_page[i, p // PAGE], p % PAGE]
+                    assert torch.equal(runs_view(gpu_pool, group)[slot // PAGE, slot % PAGE], want)
+        assert torch.equal(gpu_pool, expect_pool)  # nothing else in the pool moved
+
+
+def test_resolve_rejects_bad_inputs():
+    case = make_case(random.Random(5), [100], 16, 128, step=1)
+    topk, counts, _ = make_topk(random.Random(5), [100], 16)
+    args = [topk, counts, case.gpu_page, case.host_page, case.hot_slots, case.slot_pos, case.slot_stamp,
+            case.pos_to_hot, 1, *group_place(1), case.gpu_pool, case.host_pool]
+    with pytest.raises(ValueError):
+        resolve.resolve_group(*args[:1], counts.long(), *args[2:])
+    with pytest.raises(ValueError):
+        resolve.resolve_group(*args[:9], 0, PAGE_BYTES, *args[11:])
+
+
+# --- page mirror --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_bytes", [PAGE_BYTES, 4 * 1031])
+def test_page_mirror_matches_twin(page_bytes):
+    gen = torch.Generator().manual_seed(page_bytes)
+    gpu_pool = torch.randint(0, 256, (12, page_bytes), dtype=torch.uint8, generator=gen)
+    host = torch.randint(0, 256, (10, page_bytes), dtype=torch.uint8, generator=gen)
+    gpu_ids, host_ids = [3, 4, 5, 11, 0], [7, 8, 9, 2, 0]
+    got, want = host.clone(), host.clone()
+    page_mirror.mirror_pages_triton(gpu_pool, got, gpu_ids, host_ids)
+    page_mirror.mirror_pages_reference(gpu_pool, want, gpu_ids, host_ids)
+    assert torch.equal(got, want)
+    assert torch.equal(got[host_ids], gpu_pool[gpu_ids])
+    untouched = [h for h in range(10) if h not in host_ids]
+    assert torch.equal(got[untouched], host[untouched])
+    page_mirror.mirror_pages(gpu_pool, got, [], [])
+    assert torch.equal(got, want)
+
+
+# --- FP8 packing --------------------------------------------------------------------------
+
+
+def tricky_latent(n: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    """Random rows plus rows that hit every fp8 rounding case: with amax 448 the scale is 1."""
+    x = torch.randn(n, dim, generator=gen) * torch.logspace(-30, 4, n)[:, None]
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].sort().values
+    mids = (grid[1:] + grid[:-1]) / 2  # exact ties: round to even
+    tricky = torch.cat([mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9)), grid])
+    tricky = torch.cat([tricky, -tricky, torch.tensor([0.0, -0.0, 1e-45, -3e-39])])
+    blocks = tricky.split(dim - 1)
+    for i, vals in enumerate(blocks[: n - 2]):
+        x[i + 1] = 0.0
+        x[i + 1, 0] = 448.0 if i % 2 else -448.0
+        x[i + 1, 1 : 1 + len(vals)] = vals
+    x[-1] = 0.0  # all-zero row: scale 1
+    return x
+
+
+@pytest.mark.parametrize("dl,dr,dtype", [(256, 16, torch.float32), (64, 8, torch.bfloat16), (512, 64, torch.float32)])
+def test_pack_mla_rows_matches_twin(dl, dr, dtype):
+    gen = torch.Generator().manual_seed(dl + dr)
+    n = 24
+    latent = tricky_latent(n, dl, gen).to(dtype)
+    rope = (torch.randn(n, dr, generator=gen) * 3).to(dtype)
+    rope[0, :3] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)])  # bf16 ties
+    row = fp8_rows.mla_row_bytes(dl, dr)
+    pool = torch.full((5, PAGE * 3 * row), 0xA5, dtype=torch.uint8)
+    place = fp8_pack.RowPlacement(PAGE, row, 2 * row)  # second layer of a 2-layer group after a 1-layer group
+    slots = torch.randperm(5 * PAGE, generator=gen)[:n]
+    got, want = pool.clone(), pool.clone()
+    fp8_pack.pack_mla_rows_into(latent, rope, got, slots, place)
+    fp8_pack.pack_mla_rows_into_reference(latent, rope, want, slots, place)
+    assert torch.equal(got, want)
+    assert (got != pool).any()
+
+
+@pytest.mark.parametrize("dim", [128, 32])
+def test_pack_indexer_rows_matches_twin(dim):
+    gen = torch.Generator().manual_seed(dim)
+    n, tokens = 20, 2 * PAGE
+    keys = tricky_latent(n, dim, gen).to(torch.bfloat16)
+    row = fp8_rows.indexer_row_bytes(dim)
+    pool = torch.full((3, 3 * tokens * row + 7), 0x5A, dtype=torch.uint8)
+    place = fp8_pack.RowPlacement(tokens, 2 * tokens * row, row)  # third full layer
+    slots = torch.randperm(3 * tokens, generator=gen)[:n].int()
+    got, want = pool.clone(), pool.clone()
+    fp8_pack.pack_indexer_rows_into(keys, got, slots, place)
+    fp8_pack.pack_indexer_rows_into_reference(keys, want, slots, place)
+    assert torch.equal(got, want)
