@@ -9,8 +9,8 @@ the whole prompt (its last token is always recomputed to produce logits).
 from __future__ import annotations
 
 from engine.kv_layout import KVLayout
-from engine.page_pool import PagePool, PageUse
-from engine.prefix_cache import PrefixCache, chain_hashes
+from residency.page_pool import PagePool, PageUse
+from residency.prefix_cache import PrefixCache, chain_hashes
 from engine.request import Request
 
 

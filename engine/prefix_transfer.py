@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv_cache_manager import KVCacheManager
-from engine.page_pool import PageUse
+from residency.page_pool import PageUse
 
 logger = logging.getLogger(__name__)
 

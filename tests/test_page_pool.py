@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.page_pool import OutOfPages, PagePool, PageUse
-from engine.prefix_cache import PrefixCache, chain_hashes
+from residency.page_pool import OutOfPages, PagePool, PageUse
+from residency.prefix_cache import PrefixCache, chain_hashes
 
 
 def make_cache(num_pages: int) -> PrefixCache:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.page_pool import OutOfPages, PagePool, PageUse
+from residency.page_pool import OutOfPages, PagePool, PageUse
 
 PageKey = tuple[PageUse, bytes]
 
