@@ -77,8 +77,7 @@ class Indexer(nn.Module):
             chosen = ops.indexer_topk(q[start:end], weights[start:end], keys, limits, topk, cfg.index_head_dim**-0.5)
             positions[start:end, : chosen.positions.shape[1]] = chosen.positions
             lens[start:end] = chosen.counts
-        rows = torch.arange(batch.num_rows, device=x.device)
-        return Selection(batch.mla_slots(rows, positions), lens)
+        return Selection(batch.resolve_selection(full_index, positions, lens), lens)
 
 
 class MLAAttention(nn.Module):

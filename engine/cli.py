@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.request import InvalidRequestError, SamplingParams
 from engine.tiny import make_tiny
+from residency.config import POLICIES, HiSparseConfig
 
 logger = logging.getLogger("engine")
 
@@ -37,6 +38,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--random-weights", action="store_true", help="seeded random init instead of loading weights")
+    p.add_argument("--policy", choices=list(POLICIES), default="off", help="what frees KV pages under pressure")
+    p.add_argument("--host-pool-gib", type=float, default=0.0, help="host tier for hybrid / offload")
+    p.add_argument("--hot-rows", type=int, default=None, help="hot slots per demoted request (default 2 x top-K)")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -55,6 +59,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_cache=not args.no_prefix_cache,
         seed=args.seed if args.seed is not None else 0,
         random_weights=args.random_weights,
+        hisparse=HiSparseConfig(policy=args.policy, host_pool_gib=args.host_pool_gib, hot_rows=args.hot_rows),
     )
 
 
@@ -195,6 +200,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return cmd_generate(args) if args.command == "generate" else cmd_chat(args)
-    except InvalidRequestError as exc:
+    except (InvalidRequestError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from engine.kv_layout import KVFormat
+from residency.config import HiSparseConfig
 
 DType = Literal["float32", "bfloat16"]
 KVDType = Literal["auto", "float32", "bf16", "fp8"]
@@ -27,7 +28,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_cache: bool = True
-    policy: str = "preempt"  # pressure policy: what frees pages when a step does not fit
+    hisparse: HiSparseConfig = field(default_factory=HiSparseConfig)  # residency: host tier and pressure policy
     seed: int = 0  # seeds requests that bring no seed of their own
     random_weights: bool = False  # shapes-only run: seeded random init instead of loading weights
 

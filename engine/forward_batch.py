@@ -7,9 +7,12 @@ maps each row to its request in the batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from residency.manager import ResidencyManager
 
 
 @dataclass
@@ -29,6 +32,9 @@ class ForwardBatch:
     context_lens_host: list[int]  # per request: tokens cached after this step (host side)
     page_size: int
     indexer_tokens_per_page: int
+    nonresident: dict[int, Any] = field(default_factory=dict)  # batch index -> request with host-only pages
+    residency: ResidencyManager | None = None
+    step: int = 0  # LRU stamp of this step (grows every step)
 
     @property
     def num_rows(self) -> int:
@@ -39,6 +45,15 @@ class ForwardBatch:
         table = self.mla_page_table[self.req_of_row[rows]]
         pages = table.gather(1, (positions // self.page_size).long())
         return pages * self.page_size + positions % self.page_size
+
+    def resolve_selection(self, group: int, positions: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """KV slots of the chosen positions [T, K]: in place for resident pages, hot slots otherwise."""
+        rows = torch.arange(self.num_rows, device=positions.device)
+        slots = self.mla_slots(rows, positions)
+        for b, req in self.nonresident.items():
+            start, end = self.row_ranges[b]
+            slots[start:end] = self.residency.resolve_rows(req, group, positions[start:end], lens[start:end], self.step)
+        return slots
 
     def indexer_slots(self, req: int, num_tokens: int) -> torch.Tensor:
         """Indexer slots of positions 0..num_tokens-1 of request `req`."""

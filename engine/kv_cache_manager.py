@@ -9,6 +9,7 @@ the whole prompt (its last token is always recomputed to produce logits).
 from __future__ import annotations
 
 from engine.kv_layout import KVLayout
+from residency.manager import ResidencyManager
 from residency.page_pool import PagePool, PageUse
 from residency.prefix_cache import PrefixCache, chain_hashes
 from engine.request import Request
@@ -26,6 +27,7 @@ class KVCacheManager:
         self.pool = PagePool(num_pages)
         self.cache = PrefixCache(self.pool)
         self.enable_prefix_cache = enable_prefix_cache
+        self.residency: ResidencyManager | None = None  # set when a host tier exists
         self.num_prefix_hit_tokens = 0
         self.num_prefix_queried_tokens = 0
 
@@ -81,11 +83,51 @@ class KVCacheManager:
         req.page_hashes, mla, idx = self.lookup_prefix(tokens)
         for page in mla + idx:
             self.cache.acquire(page)
-        req.mla_pages, req.indexer_pages = mla, idx
-        hit = len(mla) * self.page_size
+        req.mla_pages, req.indexer_pages = list(mla), idx
+        if self.residency is not None and self.residency.config.policy == "hybrid":
+            self._extend_from_host(req, (len(tokens) - 1) // self.page_size)
+        hit = len(req.mla_pages) * self.page_size
         self.num_prefix_queried_tokens += len(tokens)
         self.num_prefix_hit_tokens += hit
         return hit
+
+    def _extend_from_host(self, req: Request, max_pages: int) -> None:
+        """Continues a prefix match in the host pool: MLA pages stay host-only (the request starts
+        mixed or none, with a hot buffer), indexer pages are copied back to the GPU."""
+        host = self.residency.host
+        per_idx = self.indexer_page_tokens // self.page_size
+        found: list[tuple[int | None, int | None]] = []  # (gpu page, host page) per MLA page
+        for i in range(len(req.mla_pages), min(max_pages, len(req.page_hashes))):
+            page = host.cache.lookup(PageUse.MLA, req.page_hashes[i])
+            if page is None:
+                break
+            found.append((None, page))
+        idx_found: list[tuple[int | None, int]] = []
+        for j in range(len(req.indexer_pages), (len(req.mla_pages) + len(found)) // per_idx):
+            key = req.page_hashes[(j + 1) * per_idx - 1]
+            gpu = self.cache.lookup(PageUse.INDEXER, key)
+            hp = host.cache.lookup(PageUse.INDEXER, key)
+            if gpu is None and hp is None:
+                break
+            idx_found.append((gpu, hp))
+        keep_mla = len(req.indexer_pages) * per_idx + len(idx_found) * per_idx - len(req.mla_pages)
+        found = found[: max(keep_mla, 0)]
+        idx_found = idx_found[: (len(req.mla_pages) + len(found)) // per_idx - len(req.indexer_pages)]
+        copies = sum(1 for gpu, _ in idx_found if gpu is None)
+        if not found or copies + self.residency.hot_pages_per_lease > self.cache.num_available:
+            return
+        for _, hp in found:
+            host.cache.acquire(hp)
+        req.host_pages = [None] * len(req.mla_pages) + [hp for _, hp in found]
+        req.mla_pages += [None] * len(found)
+        for gpu, hp in idx_found:
+            if gpu is not None:
+                self.cache.acquire(gpu)
+            else:
+                [gpu] = self.cache.allocate(1, PageUse.INDEXER)
+                self.residency.gpu_pool[gpu] = host.data[hp].to(self.residency.gpu_pool.device)
+            req.indexer_pages.append(gpu)
+        self.residency.lease_hot(req)
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grows `req` to hold `num_tokens` tokens; False (nothing taken) if pages are short."""
@@ -98,15 +140,19 @@ class KVCacheManager:
         return True
 
     def cache_full_pages(self, req: Request) -> None:
-        """Registers the pages of `req` whose tokens are all computed."""
-        if not self.enable_prefix_cache:
-            return
+        """Hashes the pages of `req` whose tokens are all computed and registers them for reuse.
+
+        Hashes are kept even with the prefix cache off: they name host copies.
+        """
         computed = req.num_computed_tokens
         full = computed // self.page_size
         if len(req.page_hashes) < full:
             req.page_hashes += chain_hashes(req.all_token_ids[: full * self.page_size], self.page_size, req.page_hashes)
+        if not self.enable_prefix_cache:
+            return
         for i in range(full):
-            self.cache.insert(req.mla_pages[i], PageUse.MLA, req.page_hashes[i])
+            if req.mla_pages[i] is not None:
+                self.cache.insert(req.mla_pages[i], PageUse.MLA, req.page_hashes[i])
         per_idx = self.indexer_page_tokens // self.page_size
         for j in range(computed // self.indexer_page_tokens):
             self.cache.insert(req.indexer_pages[j], PageUse.INDEXER, req.page_hashes[(j + 1) * per_idx - 1])
@@ -116,8 +162,11 @@ class KVCacheManager:
         for page in reversed(req.indexer_pages):
             self.cache.release(page)
         for page in reversed(req.mla_pages):
-            self.cache.release(page)
+            if page is not None:
+                self.cache.release(page)
         req.mla_pages, req.indexer_pages = [], []
+        if self.residency is not None:
+            self.residency.release(req)
 
     def num_pages_in_use(self) -> int:
         """Pages held by requests (not counting unreferenced cached pages)."""
@@ -125,3 +174,5 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         self.cache.check_integrity()
+        if self.residency is not None:
+            self.residency.check_integrity()

@@ -23,8 +23,12 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from engine.sampler import sample
-from engine.scheduler import PRESSURE_POLICIES, Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
+from residency.config import HiSparseConfig
+from residency.host_pool import HostPool
+from residency.manager import GroupGeometry, ResidencyManager, StateCounter
+from residency.policies import make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -76,16 +80,30 @@ class LLMEngine:
             random_seed=config.seed if config.random_weights else None,
         )
         self.kv = KVCacheManager(self.layout, num_pages, config.enable_prefix_cache)
-        if config.policy not in PRESSURE_POLICIES:
-            raise ValueError(f"unknown policy {config.policy!r}; choose from {sorted(PRESSURE_POLICIES)}")
-        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, self.kv, PRESSURE_POLICIES[config.policy]())
+        self.residency = self._build_residency(config.hisparse)
+        self.kv.residency = self.runner.residency = self.residency
+        rows = self.residency.hot_rows // self.model_config.index_topk if self.residency else 1
+        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, rows)
+        self.scheduler = Scheduler(sched_cfg, self.kv, make_policy(config.hisparse.policy, self.residency))
+        self.state_counter = StateCounter()
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.eos_token_ids = set(tokenizer_eos) | set(self.model_config.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._text: dict[str, _TextState] = {}
         self._seed_counter = config.seed
         self.num_steps = 0
+
+    def _build_residency(self, hs: HiSparseConfig) -> ResidencyManager | None:
+        if not hs.uses_host:
+            return None
+        host_pages = int(hs.host_pool_gib * 2**30) // self.layout.page_bytes
+        if host_pages < 1:
+            raise ValueError(f"host_pool_gib={hs.host_pool_gib} holds no {self.layout.page_bytes}-byte page")
+        host = HostPool(host_pages, self.layout.page_bytes, pin=self.device.type == "cuda")
+        groups = range(len(self.layout.group_sizes))
+        geometry = GroupGeometry(tuple(self.layout.group_offset(g) for g in groups), self.layout.group_run_bytes)
+        return ResidencyManager(hs, self.kv.cache, self.runner.kv_pool, host, geometry,
+                                self.model_config.index_topk, self.layout.indexer_tokens_per_page)
 
     # --- submission -----------------------------------------------------------------
 
@@ -149,6 +167,7 @@ class LLMEngine:
         tokens = sample(logits, [r.params for r in completing], [s.generator for s in states])
         self.scheduler.after_step(out)
         self.num_steps += 1
+        self._record_states()
         return [self._append(req, tok) for req, tok in zip(completing, tokens)]
 
     def _append(self, req: Request, token: int) -> RequestOutput:
@@ -212,9 +231,27 @@ class LLMEngine:
                     final[o.request_id] = o
         return [final[rid] for rid in ids]
 
+    def _record_states(self) -> None:
+        counts = {"waiting": len(self.scheduler.waiting), "swapped": len(self.scheduler.swapped)}
+        for state in ("full", "mixed", "none"):
+            counts[state] = 0
+        for req in self.scheduler.running:
+            counts[ResidencyManager.state(req)] += 1
+        self.state_counter.record(counts)
+
     def stats(self) -> dict[str, Any]:
         kv = self.kv
+        residency = {}
+        if self.residency is not None:
+            host = self.residency.host
+            residency = dict(vars(self.residency.stats))
+            residency.update(host_pages=host.num_pages, host_pages_in_use=host.num_in_use(),
+                             host_pages_cached=host.cache.num_cached, hot_rows=self.residency.hot_rows)
         return {
+            "policy": self.config.hisparse.policy,
+            "requests_by_state": self.state_counter.summary(),
+            "swaps": self.scheduler.num_swaps,
+            **residency,
             "num_pages": kv.pool.num_pages,
             "pages_in_use": kv.num_pages_in_use(),
             "pages_cached": kv.cache.num_cached,
@@ -231,8 +268,11 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Accounting check used by tests after each step."""
         self.kv.check_integrity()
-        held = {p for r in self.scheduler.running for p in r.mla_pages + r.indexer_pages}
+        held = {p for r in self.scheduler.running for p in r.mla_pages + r.indexer_pages if p is not None}
         assert len(held) <= self.kv.pool.num_used(), "requests hold more pages than are in use"
         for r in self.scheduler.waiting:
             assert not r.mla_pages and not r.indexer_pages, f"waiting request {r.request_id} holds pages"
+            assert not r.host_pages and r.hot is None, f"waiting request {r.request_id} holds host pages"
+        for r in self.scheduler.swapped:
+            assert not r.indexer_pages and all(p is None for p in r.mla_pages)
         assert all(r.status is RequestStatus.RUNNING for r in self.scheduler.running)

@@ -18,6 +18,7 @@ from engine.model import GlmMoeDsaForCausalLM
 from engine.model_config import ModelConfig
 from engine.scheduler import ScheduledRequest
 from engine.weights import load_weights, random_init
+from residency.manager import ResidencyManager
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,14 @@ class ModelRunner:
         self.model.eval()
         self.kv_pool = torch.zeros(num_pages, layout.page_bytes, dtype=torch.uint8, device=device)
         self.ops: AttentionOps = TorchAttentionOps(layout)
+        self.residency: ResidencyManager | None = None  # set by the engine when a host tier exists
+        self.num_steps = 0
         logger.info(
             "KV pool: %d pages x %.2f MiB (%s rows)", num_pages, layout.page_bytes / 2**20, layout.kv_format
         )
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ForwardBatch:
+        self.num_steps += 1
         ids: list[int] = []
         positions: list[int] = []
         req_of_row: list[int] = []
@@ -93,6 +97,9 @@ class ModelRunner:
             indexer_tokens_per_page=idx_page,
             row_ranges=row_ranges,
             context_lens_host=ctx_lens,
+            nonresident={b: r for b, r in enumerate(reqs) if r.hot is not None},
+            residency=self.residency,
+            step=self.num_steps,
         )
 
     def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
@@ -101,9 +108,10 @@ class ModelRunner:
         return self.model(batch, self.kv_pool, self.layout, self.ops)
 
 
-def _pad_table(tables: list[list[int]]) -> torch.Tensor:
+def _pad_table(tables: list[list[int | None]]) -> torch.Tensor:
+    """Page tables as one tensor; host-only pages read as page 0 (their slots come from the resolve)."""
     width = max(1, max(len(t) for t in tables))
     out = torch.zeros(len(tables), width, dtype=torch.long)
     for i, t in enumerate(tables):
-        out[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+        out[i, : len(t)] = torch.tensor([0 if p is None else p for p in t], dtype=torch.long)
     return out

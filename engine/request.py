@@ -10,6 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from residency.hot_buffer import HotLease
+
 
 class InvalidRequestError(ValueError):
     """A submission the engine refuses; the message is meant for the client."""
@@ -49,6 +51,7 @@ class SamplingParams:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # moved to host whole by the offload policy
     FINISHED = "finished"
 
 
@@ -69,8 +72,11 @@ class Request:
     finish_reason: FinishReason | None = None
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at last admission
-    mla_pages: list[int] = field(default_factory=list)
+    mla_pages: list[int | None] = field(default_factory=list)  # GPU page per 64 tokens, None if host-only
     indexer_pages: list[int] = field(default_factory=list)
+    host_pages: list[int | None] = field(default_factory=list)  # host copy of each MLA page, if any
+    host_indexer_pages: list[int | None] = field(default_factory=list)
+    hot: HotLease | None = None  # hot rows while some pages are host-only
     page_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
 

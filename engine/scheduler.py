@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
+from residency.policies import PreemptPolicy, PressurePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +25,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    max_rows_nonresident: int = 1  # query rows per step of a request with host-only pages (hot_rows // top-K)
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) < 1:
@@ -52,26 +52,6 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
 
-class PressurePolicy(Protocol):
-    """Frees pages when a running request cannot grow."""
-
-    def make_room(self, scheduler: "Scheduler", needed: int, requester: Request) -> bool:
-        """Frees pages towards `needed`; False when it could do nothing (`requester` must wait)."""
-        ...
-
-
-class PreemptPolicy:
-    """Preempt the most recently admitted running request; it recomputes when readmitted."""
-
-    def make_room(self, scheduler: "Scheduler", needed: int, requester: Request) -> bool:
-        victim = scheduler.running[-1]
-        scheduler.preempt(victim)
-        return victim is not requester
-
-
-PRESSURE_POLICIES: dict[str, Callable[[], PressurePolicy]] = {"preempt": PreemptPolicy}
-
-
 class Scheduler:
     """Owns the waiting queue and the running list; decides each step's batch."""
 
@@ -81,13 +61,25 @@ class Scheduler:
         self.policy = policy or PreemptPolicy()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
+        self.num_swaps = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
+
+    def swap_out(self, req: Request) -> bool:
+        """Moves `req` to host whole (offload policy); False when the host tier cannot take it."""
+        if self.kv.residency is None or not self.kv.residency.swap_out(req):
+            return False
+        self.running.remove(req)
+        req.status = RequestStatus.SWAPPED
+        self.swapped.append(req)
+        self.num_swaps += 1
+        return True
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -103,6 +95,8 @@ class Scheduler:
         """Ends `req` in any state and frees its pages."""
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.SWAPPED:
+            self.swapped.remove(req)
         elif req.status is RequestStatus.WAITING and req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)
@@ -110,12 +104,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.policy.rebalance(self)
         budget = self.config.max_num_batched_tokens
-        preempted_before = self.num_preemptions
+        pressure_before = self.num_preemptions + self.num_swaps
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, budget)
             if self._grow(req, req.num_computed_tokens + num_new):
                 out.scheduled.append(ScheduledRequest(req, num_new))
                 budget -= num_new
@@ -124,9 +119,36 @@ class Scheduler:
                 continue  # it was the one preempted; the list shifted
             else:
                 break
-        if self.num_preemptions == preempted_before:
-            budget = self._admit(out, budget)
+        if self.num_preemptions + self.num_swaps == pressure_before:
+            budget = self._swap_in(out, budget)
+            if not self.swapped:
+                budget = self._admit(out, budget)
         return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens `req` computes this step: a request with host-only pages takes few rows
+        so that every row's top-K fits its hot buffer at once."""
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        if req.hot is not None:
+            num_new = min(num_new, self.config.max_rows_nonresident)
+        return num_new
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        residency = self.kv.residency
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            extra = self.kv.pages_for_tokens(req.num_computed_tokens + num_new) - residency.swap_in_cost(req)
+            if residency.swap_in_cost(req) + max(extra, 0) > self.kv.num_available or not residency.swap_in(req):
+                break
+            self.swapped.popleft()
+            if not self.kv.allocate(req, req.num_computed_tokens + num_new):
+                raise RuntimeError("pages checked available before swap-in were not")
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return budget
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         while not self.kv.allocate(req, num_tokens):
@@ -142,7 +164,7 @@ class Scheduler:
             req.num_computed_tokens = hit
             if req.num_preemptions == 0:
                 req.num_cached_tokens = hit
-            num_new = min(req.num_tokens - hit, budget)
+            num_new = self._chunk(req, budget)
             if not self.kv.allocate(req, hit + num_new):
                 self.kv.free(req)
                 req.num_computed_tokens = 0
@@ -155,7 +177,10 @@ class Scheduler:
         return budget
 
     def after_step(self, out: SchedulerOutput) -> None:
-        """Advances computed counts and registers newly full pages in the prefix cache."""
+        """Advances computed counts, registers newly full pages, mirrors them when residency asks."""
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_pages(s.request)
+        residency = self.kv.residency
+        if residency is not None and residency.config.policy == "hybrid":
+            residency.mirror_completed([s.request for s in out.scheduled if not s.request.is_finished])

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
+import torch
 
-from engine.tiny import make_tiny
+# Triton kernels run under the interpreter on machines without a GPU. Triton decides this
+# when a kernel is defined, so it must be set before anything imports `kernels`.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from engine.tiny import make_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,50 @@
+"""Hot buffers: GPU slots holding the rows of host-only tokens a request's indexer selects.
+
+A lease is a few pages of the GPU pool (use HOT) with the MLA page layout, so a
+hot slot is addressed like any KV slot. Per IndexShare group an LRU table maps
+slot -> token position (`slot_pos`, last use in `slot_stamp`) and back
+(`pos_to_hot`, grown with the request). Returned to the pool when the request
+finishes or is promoted back to fully resident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PAGE_SIZE = 64
+
+
+@dataclass
+class HotLease:
+    pages: list[int]
+    hot_slots: torch.Tensor  # [R] int32 physical slot of each hot slot
+    slot_pos: torch.Tensor  # [G, R] int32 token held by each slot, -1 when empty
+    slot_stamp: torch.Tensor  # [G, R] int64 step of last use
+    pos_to_hot: torch.Tensor  # [G, capacity] int32 hot slot of each position, -1 when none
+
+    @classmethod
+    def new(cls, pages: list[int], num_groups: int, capacity: int, device: torch.device) -> "HotLease":
+        slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1)
+        rows = slots.numel()
+        return cls(
+            pages=pages,
+            hot_slots=slots.to(device=device, dtype=torch.int32),
+            slot_pos=torch.full((num_groups, rows), -1, dtype=torch.int32, device=device),
+            slot_stamp=torch.zeros((num_groups, rows), dtype=torch.int64, device=device),
+            pos_to_hot=torch.full((num_groups, capacity), -1, dtype=torch.int32, device=device),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.hot_slots.numel())
+
+    def ensure_capacity(self, num_tokens: int) -> None:
+        """Grows the reverse map to cover positions below `num_tokens`."""
+        have = self.pos_to_hot.shape[1]
+        if num_tokens <= have:
+            return
+        grow = max(num_tokens, 2 * have) - have
+        pad = torch.full((self.pos_to_hot.shape[0], grow), -1, dtype=torch.int32, device=self.pos_to_hot.device)
+        self.pos_to_hot = torch.cat([self.pos_to_hot, pad], dim=1)

@@ -1,0 +1,104 @@
+"""Pressure policies: what frees GPU pages when the next step does not fit.
+
+- `hybrid`: demote running requests whose completed pages are already mirrored
+  (their GPU pages free at once, no copy on the critical path), lease them hot
+  buffers, keep their tails; preempt only when that is not enough. When pages
+  are plentiful again, re-promote host-resident requests (resident pages cost no
+  miss copies), but only while a share of the pool stays free afterwards, so a
+  promotion is not undone by the next admission.
+- `offload`: move the most recently admitted request to host whole; it comes
+  back whole before it runs again (dense-attention style swapping).
+- `preempt` / `off`: drop the most recently admitted request; it recomputes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from residency.manager import PagedRequest, ResidencyManager
+
+
+class SchedulerView(Protocol):
+    """The scheduler operations a policy may use."""
+
+    running: list
+
+    def preempt(self, req: PagedRequest) -> None: ...
+
+    def swap_out(self, req: PagedRequest) -> bool: ...
+
+
+class PressurePolicy(Protocol):
+    def make_room(self, scheduler: SchedulerView, needed: int, requester: PagedRequest) -> bool:
+        """Frees pages towards `needed`; False when `requester` must wait (it may have been preempted)."""
+        ...
+
+    def rebalance(self, scheduler: SchedulerView) -> None:
+        """Runs before each step's scheduling: moves pages back when memory allows."""
+        ...
+
+
+class PreemptPolicy:
+    def make_room(self, scheduler: SchedulerView, needed: int, requester: PagedRequest) -> bool:
+        victim = scheduler.running[-1]
+        scheduler.preempt(victim)
+        return victim is not requester
+
+    def rebalance(self, scheduler: SchedulerView) -> None:
+        return None
+
+
+class HybridPolicy:
+    def __init__(self, residency: ResidencyManager) -> None:
+        self.residency = residency
+
+    def make_room(self, scheduler: SchedulerView, needed: int, requester: PagedRequest) -> bool:
+        freed = 0
+        for req in sorted(scheduler.running, key=self.residency.demotion_gain, reverse=True):
+            if freed >= needed:
+                break
+            if self.residency.demotion_gain(req) > 0:
+                freed += self.residency.demote(req)
+        if freed > 0:
+            return True
+        return PreemptPolicy().make_room(scheduler, needed, requester)
+
+    def rebalance(self, scheduler: SchedulerView) -> None:
+        cache = self.residency.gpu_cache
+        reserve = int(self.residency.config.promote_free_fraction * cache.pool.num_pages)
+        for req in scheduler.running:
+            if self.residency.state(req) == "full" and req.hot is None:
+                continue
+            cost = self.residency.promotion_cost(req) - (len(req.hot.pages) if req.hot else 0)
+            if cache.num_available - cost >= reserve:
+                self.residency.promote(req)
+
+
+class OffloadPolicy:
+    def make_room(self, scheduler: SchedulerView, needed: int, requester: PagedRequest) -> bool:
+        victim = scheduler.running[-1]
+        if not scheduler.swap_out(victim):
+            scheduler.preempt(victim)  # host pool full: fall back to recompute
+        return victim is not requester
+
+    def rebalance(self, scheduler: SchedulerView) -> None:
+        return None
+
+
+def make_policy(name: str, residency: ResidencyManager | None) -> PressurePolicy:
+    factories: dict[str, Callable[[], PressurePolicy]] = {
+        "off": PreemptPolicy,
+        "preempt": PreemptPolicy,
+        "hybrid": lambda: HybridPolicy(_need(residency, name)),
+        "offload": lambda: OffloadPolicy(),
+    }
+    if name not in factories:
+        raise ValueError(f"unknown policy {name!r}; choose from {sorted(factories)}")
+    return factories[name]()
+
+
+def _need(residency: ResidencyManager | None, name: str) -> ResidencyManager:
+    if residency is None:
+        raise ValueError(f"policy {name!r} needs a host pool")
+    return residency

@@ -1,0 +1,202 @@
+"""Hybrid HiSparse residency on the tiny model: lossless under pressure, exact accounting, byte-identical round trips."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.llm_engine import LLMEngine
+from residency.config import HiSparseConfig
+from tests.helpers import LogitsRecorder, assert_pages_released, greedy, make_engine
+
+# Three requests that fit at admission (5 pages each) but not once they grow past 320 tokens.
+PROMPT_LENS = (250, 240, 230)
+NEW_TOKENS = 80
+TIGHT_PAGES = 16
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 380, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _engine(tiny_dir: Path, policy: str, pages: int | None = TIGHT_PAGES, host_gib: float = 0.05,
+            **kw) -> LLMEngine:
+    hs = HiSparseConfig(policy=policy, host_pool_gib=host_gib if policy in ("hybrid", "offload") else 0.0, **kw)
+    return make_engine(tiny_dir, num_gpu_pages=pages, enable_prefix_cache=False, hisparse=hs)
+
+
+def _checksum(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def ample_run(tiny_dir: Path):
+    prompts = [_prompt(n, 30 + n) for n in PROMPT_LENS]
+    engine = make_engine(tiny_dir, enable_prefix_cache=False)
+    recorder = LogitsRecorder(engine)
+    outs = engine.generate(prompts, [greedy(NEW_TOKENS)] * len(prompts))
+    return prompts, [o.token_ids for o in outs], [recorder.of(o.request_id) for o in outs]
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "preempt"])
+def test_pressure_is_lossless(tiny_dir: Path, ample_run, policy: str) -> None:
+    prompts, tokens, logits = ample_run
+    engine = _engine(tiny_dir, policy)
+    recorder = LogitsRecorder(engine)
+    outs = engine.generate(prompts, [greedy(NEW_TOKENS)] * len(prompts))
+    assert [o.token_ids for o in outs] == tokens
+    for out, ref in zip(outs, logits):
+        torch.testing.assert_close(recorder.of(out.request_id), ref, rtol=1e-4, atol=1e-4)
+    stats = engine.stats()
+    if policy == "hybrid":
+        assert stats["pages_demoted"] > 0 and stats["pages_mirrored"] > 0
+        assert stats["hot_misses"] > 0 and stats["rows_copied_h2d"] == stats["hot_misses"]
+        assert stats["requests_by_state"]["mixed"]["peak"] >= 1
+        assert stats["preemptions"] == 0
+    elif policy == "offload":
+        assert stats["swaps"] > 0 and stats["pages_swapped_in"] == stats["pages_swapped_out"]
+    else:
+        assert stats["preemptions"] > 0
+    assert_pages_released(engine)
+    if engine.residency is not None:
+        assert engine.residency.host.num_in_use() == 0
+
+
+def test_hybrid_needs_fewer_steps_than_recompute(tiny_dir: Path, ample_run) -> None:
+    prompts, _, _ = ample_run
+    steps = {}
+    for policy in ("hybrid", "preempt"):
+        engine = _engine(tiny_dir, policy)
+        engine.generate(prompts, [greedy(NEW_TOKENS)] * len(prompts))
+        steps[policy] = engine.num_steps
+    assert steps["hybrid"] < steps["preempt"]
+
+
+def test_host_pool_exhaustion_degrades_to_preemption(tiny_dir: Path, ample_run) -> None:
+    prompts, tokens, _ = ample_run
+    page_gib = make_engine(tiny_dir, num_gpu_pages=1).layout.page_bytes / 2**30
+    engine = _engine(tiny_dir, "hybrid", host_gib=2 * page_gib)  # two host pages: almost nothing mirrors
+    outs = engine.generate(prompts, [greedy(NEW_TOKENS)] * len(prompts))
+    assert [o.token_ids for o in outs] == tokens
+    stats = engine.stats()
+    assert stats["mirror_skipped_host_full"] > 0 and stats["preemptions"] > 0
+    assert_pages_released(engine)
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "off"])
+def test_random_arrivals_and_aborts_keep_exact_accounting(tiny_dir: Path, policy: str) -> None:
+    rng = random.Random(7)
+    engine = _engine(tiny_dir, policy, pages=14, host_gib=0.02)
+    live: list[str] = []
+    for step in range(120):
+        if rng.random() < 0.3 and len(live) < 6:
+            rid = f"r{step}"
+            engine.add_request(rid, _prompt(rng.randint(5, 200), step), greedy(rng.randint(1, 60)))
+            live.append(rid)
+        if live and rng.random() < 0.05:
+            engine.abort_request(live.pop(rng.randrange(len(live))))
+        for out in engine.step():
+            if out.finished and out.request_id in live:
+                live.remove(out.request_id)
+        engine.check_integrity()
+        pool = engine.kv.pool
+        assert pool.num_used() + pool.num_free == pool.num_pages
+        if engine.residency is not None:
+            host = engine.residency.host.cache.pool
+            assert host.num_used() + host.num_free == host.num_pages
+    for rid in list(live):
+        engine.abort_request(rid)
+    assert_pages_released(engine)
+    if engine.residency is not None:
+        assert engine.residency.host.num_in_use() == 0
+
+
+def _run_until(engine: LLMEngine, predicate, limit: int = 400) -> None:  # noqa: ANN001
+    for _ in range(limit):
+        if predicate():
+            return
+        engine.step()
+    raise AssertionError("condition never reached")
+
+
+def test_demote_promote_round_trip_is_byte_identical(tiny_dir: Path) -> None:
+    engine = _engine(tiny_dir, "hybrid", pages=40)
+    engine.add_request("a", _prompt(300, 1), greedy(50))
+    req = engine.scheduler.waiting[0]
+    residency = engine.residency
+    _run_until(engine, lambda: len(residency.demotable(req)) >= 3)
+    pool = engine.runner.kv_pool
+    before = {i: _checksum(pool[req.mla_pages[i]]) for i in residency.demotable(req)}
+    assert residency.demote(req) > 0 and residency.state(req) == "mixed"
+    for i, digest in before.items():
+        assert _checksum(residency.host.data[req.host_pages[i]]) == digest
+    engine.step()  # a decode step reading through the hot buffer
+    assert residency.promote(req) and residency.state(req) == "full" and req.hot is None
+    for i, digest in before.items():
+        assert _checksum(pool[req.mla_pages[i]]) == digest
+    engine.abort_request("a")
+    assert_pages_released(engine)
+
+
+def test_swap_round_trip_is_byte_identical(tiny_dir: Path) -> None:
+    engine = _engine(tiny_dir, "offload", pages=40)
+    engine.add_request("a", _prompt(200, 2), greedy(20))
+    req = engine.scheduler.waiting[0]
+    engine.step()
+    pool = engine.runner.kv_pool
+    complete = req.num_computed_tokens // 64  # the next step writes into the tail page
+    before = [_checksum(pool[p]) for p in req.mla_pages[:complete]]
+    assert engine.scheduler.swap_out(req)
+    assert all(p is None for p in req.mla_pages) and not req.indexer_pages
+    engine.step()  # swapped back in whole before it runs
+    assert [_checksum(pool[p]) for p in req.mla_pages[:complete]] == before
+    while engine.has_unfinished():
+        engine.step()
+    assert_pages_released(engine)
+
+
+def test_abort_in_every_state_frees_everything(tiny_dir: Path) -> None:
+    engine = _engine(tiny_dir, "hybrid", pages=40)
+    prompts = {"mixed": _prompt(300, 3), "waiting": _prompt(50, 4)}
+    engine.add_request("mixed", prompts["mixed"], greedy(40))
+    req = engine.scheduler.waiting[0]
+    _run_until(engine, lambda: len(engine.residency.demotable(req)) >= 2)
+    engine.residency.demote(req)
+    engine.add_request("waiting", prompts["waiting"], greedy(5))
+    assert engine.abort_request("mixed") and engine.abort_request("waiting")
+    assert_pages_released(engine)
+    assert engine.residency.host.num_in_use() == 0
+
+    swap = _engine(tiny_dir, "offload", pages=40)
+    swap.add_request("s", _prompt(150, 5), greedy(30))
+    swap.step()
+    assert swap.scheduler.swap_out(swap.scheduler.running[0])
+    assert swap.abort_request("s")
+    assert_pages_released(swap)
+    assert swap.residency.host.num_in_use() == 0
+
+
+def test_next_turn_finds_its_prefix_on_host(tiny_dir: Path) -> None:
+    """Turn 2 of a conversation reuses turn 1's pages from host after the GPU copies are gone."""
+    hs = HiSparseConfig(policy="hybrid", host_pool_gib=0.05)
+    engine = make_engine(tiny_dir, num_gpu_pages=40, hisparse=hs)
+    per_page = engine.kv.indexer_page_tokens
+    turn1 = _prompt(per_page + 100, 9)
+    [first] = engine.generate([turn1], [greedy(10)])
+    engine.kv.cache.clear()  # the GPU prefix cache is gone; host copies remain
+    turn2 = turn1 + first.token_ids + _prompt(40, 10)
+    recorder = LogitsRecorder(engine)
+    [second] = engine.generate([turn2], [greedy(12)])
+    assert second.num_cached_tokens == per_page
+    stats = engine.stats()
+    assert stats["pages_promoted"] > 0 or stats["hot_misses"] > 0
+    fresh = make_engine(tiny_dir)
+    fresh_rec = LogitsRecorder(fresh)
+    [ref] = fresh.generate([turn2], [greedy(12)])
+    assert second.token_ids == ref.token_ids
+    torch.testing.assert_close(recorder.of(second.request_id), fresh_rec.of(ref.request_id), rtol=1e-4, atol=1e-4)
+    assert_pages_released(engine)
