@@ -23,7 +23,9 @@ class EngineConfig:
     kv_dtype: KVDType = "auto"  # KV row format; auto = the model dtype (float32 rows or bf16 rows)
     device: str = "cpu"
     num_gpu_pages: int | None = None  # KV pool pages; None = sized from kv_cache_gib
-    kv_cache_gib: float = 0.25  # KV pool size when num_gpu_pages is not given
+    kv_cache_gib: float = 0.25  # KV pool size on a CPU when num_gpu_pages is not given
+    gpu_memory_utilization: float = 0.9  # share of GPU memory for weights + KV + activations
+    activation_reserve_gib: float = 4.0  # GPU workspace kept out of the KV pool
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None = the model's max_position_embeddings

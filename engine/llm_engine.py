@@ -20,6 +20,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
+from engine.memory_plan import GIB, MemoryBudget, num_gpu_pages
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from engine.sampler import sample
@@ -68,17 +69,17 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.layout = KVLayout.for_model(self.model_config, config.kv_format)
-        num_pages = config.num_gpu_pages or max(1, int(config.kv_cache_gib * 2**30) // self.layout.page_bytes)
         self.device = torch.device(config.device)
         self.runner = ModelRunner(
             self.model_config,
             self.layout,
-            num_pages,
             config.torch_dtype,
             self.device,
             config.model,
             random_seed=config.seed if config.random_weights else None,
         )
+        num_pages = config.num_gpu_pages or self._plan_gpu_pages()
+        self.runner.allocate_kv_pool(num_pages)
         self.kv = KVCacheManager(self.layout, num_pages, config.enable_prefix_cache)
         self.residency = self._build_residency(config.hisparse)
         self.kv.residency = self.runner.residency = self.residency
@@ -92,6 +93,19 @@ class LLMEngine:
         self._text: dict[str, _TextState] = {}
         self._seed_counter = config.seed
         self.num_steps = 0
+
+    def _plan_gpu_pages(self) -> int:
+        """Pool size: on a GPU what `gpu_memory_utilization` leaves after the loaded weights and the
+        activation reserve; on a CPU `kv_cache_gib`."""
+        config = self.config
+        if self.device.type != "cuda":
+            return max(1, int(config.kv_cache_gib * GIB) // self.layout.page_bytes)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = MemoryBudget(total, config.gpu_memory_utilization, total - free, int(config.activation_reserve_gib * GIB))
+        pages = num_gpu_pages(budget, self.layout)
+        if pages < 1:
+            raise ValueError("no GPU memory left for KV pages: lower activation_reserve_gib or raise utilization")
+        return pages
 
     def _build_residency(self, hs: HiSparseConfig) -> ResidencyManager | None:
         if not hs.uses_host:

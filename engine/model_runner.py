@@ -28,7 +28,6 @@ class ModelRunner:
         self,
         cfg: ModelConfig,
         layout: KVLayout,
-        num_pages: int,
         dtype: torch.dtype,
         device: torch.device,
         model_dir: str | Path | None,
@@ -48,12 +47,17 @@ class ModelRunner:
         else:
             load_weights(self.model, model_dir, dtype)
         self.model.eval()
-        self.kv_pool = torch.zeros(num_pages, layout.page_bytes, dtype=torch.uint8, device=device)
+        self.kv_pool = torch.empty(0, layout.page_bytes, dtype=torch.uint8, device=device)
         self.ops: AttentionOps = TorchAttentionOps(layout)
         self.residency: ResidencyManager | None = None  # set by the engine when a host tier exists
         self.num_steps = 0
+
+    def allocate_kv_pool(self, num_pages: int) -> None:
+        """The one GPU page pool; sized after the weights so the free memory is known."""
+        self.kv_pool = torch.zeros(num_pages, self.layout.page_bytes, dtype=torch.uint8, device=self.device)
         logger.info(
-            "KV pool: %d pages x %.2f MiB (%s rows)", num_pages, layout.page_bytes / 2**20, layout.kv_format
+            "KV pool: %d pages x %.2f MiB (%s rows)", num_pages, self.layout.page_bytes / 2**20,
+            self.layout.kv_format,
         )
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> ForwardBatch:
