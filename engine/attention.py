@@ -74,7 +74,8 @@ class Indexer(nn.Module):
             slots = batch.indexer_slots(req, ctx)
             keys = layout.decode_indexer(view[slots // per_page, slots % per_page], torch.float32)
             limits = batch.positions[start:end] + 1
-            chosen = ops.indexer_topk(q[start:end], weights[start:end], keys, limits, topk, cfg.index_head_dim**-0.5)
+            chosen = ops.indexer_topk(q[start:end], weights[start:end], keys, limits, topk, cfg.index_head_dim**-0.5,
+                                      (batch.request_ids[req], full_index))
             positions[start:end, : chosen.positions.shape[1]] = chosen.positions
             lens[start:end] = chosen.counts
         return Selection(batch.resolve_selection(full_index, positions, lens), lens)

@@ -25,8 +25,11 @@ class TopK(NamedTuple):
 
 class AttentionOps(Protocol):
     def indexer_topk(
-        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, limits: torch.Tensor, topk: int, scale: float
-    ) -> TopK: ...
+        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, limits: torch.Tensor, topk: int,
+        scale: float, stream: tuple[str, int],
+    ) -> TopK:
+        """`stream` names (request id, group): implementations may keep per-stream state (a top-K trace)."""
+        ...
 
     def sparse_mla(
         self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
@@ -40,7 +43,8 @@ class TorchAttentionOps:
         self.layout = layout
 
     def indexer_topk(
-        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, limits: torch.Tensor, topk: int, scale: float
+        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, limits: torch.Tensor, topk: int,
+        scale: float, stream: tuple[str, int],
     ) -> TopK:
         """q [n, Hi, Di], weights [n, Hi], keys [ctx, Di]; row i sees positions < limits[i]."""
         ctx = keys.shape[0]

@@ -30,6 +30,7 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [S] rows whose logits are sampled
     row_ranges: list[tuple[int, int]]  # per request: [start, end) of its rows (host side)
     context_lens_host: list[int]  # per request: tokens cached after this step (host side)
+    request_ids: list[str]  # per request: its id (names per-request state of attention ops)
     page_size: int
     indexer_tokens_per_page: int
     nonresident: dict[int, Any] = field(default_factory=dict)  # batch index -> request with host-only pages

@@ -101,6 +101,7 @@ class ModelRunner:
             indexer_tokens_per_page=idx_page,
             row_ranges=row_ranges,
             context_lens_host=ctx_lens,
+            request_ids=[r.request_id for r in reqs],
             nonresident={b: r for b, r in enumerate(reqs) if r.hot is not None},
             residency=self.residency,
             step=self.num_steps,
