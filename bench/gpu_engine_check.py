@@ -32,6 +32,7 @@ def prompts() -> list[list[int]]:
 
 
 def run(model: Path, device: str, **kw) -> tuple[list[list[int]], dict, float]:
+    kw.setdefault("num_gpu_pages", 256)  # ample for three 330-token requests
     engine = LLMEngine(EngineConfig(model=str(model), device=device, enable_prefix_cache=False, **kw))
     params = [SamplingParams(max_tokens=80, ignore_eos=True)] * 3
     start = time.perf_counter()
