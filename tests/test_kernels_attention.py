@@ -5,7 +5,9 @@ triton is imported) on small shapes; KV rows live in real page pools built by
 `engine.kv_layout`, surrounded by random bytes so that wrong addressing shows.
 Inputs are fresh random draws; outputs are poisoned with NaN before each launch
 and every element is compared. fp32 and fp16 queries only: the interpreter's
-bf16 `tl.dot` is not trustworthy. The GPU run of the same checks at GLM-5.3
+bf16 `tl.dot` is not trustworthy. Triton fixes interpreter mode at its first
+import, so nothing may import it earlier (a conftest that does makes every test
+here fail with a message saying so). The GPU run of the same checks at GLM-5.3
 shapes is `bench/gpu_check_attention.py`.
 """
 
@@ -18,12 +20,22 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from engine.kv_layout import KVLayout  # noqa: E402
 from kernels.indexer import IndexerConfig, indexer_scores, indexer_scores_ref, indexer_topk, indexer_topk_ref  # noqa: E402
 from kernels.sparse_mla import SparseMLAConfig, sparse_mla, sparse_mla_ref  # noqa: E402
 
 DL, DR, DI = 256, 64, 64
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_active():
+    """Triton decides interpreter mode when it is imported: if a conftest imported it first, say so."""
+    if not isinstance(tl.sum, InterpretedFunction):
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (a conftest or plugin imported it "
+                    "first); set it before any import, e.g. `TRITON_INTERPRET=1 pytest ...`")
 NUM_PAGES = 6
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 
@@ -93,11 +105,12 @@ def test_sparse_mla_matches_twin(kv_format, dtype, num_splits, prefetch):
     assert (out[2] == 0).all(), "lens 0 must give zeros"
 
 
-def test_sparse_mla_head_blocks_and_out_dtype():
+@pytest.mark.parametrize("dequant_f32", [False, True])
+def test_sparse_mla_head_blocks_and_out_dtype(dequant_f32):
     view, q, slots, lens = _mla_case("fp8", torch.float16, seed=7, num_heads=20, k=40, lens=(40, 1, 39))
     kw = dict(kv_format="fp8", latent_dim=DL, rope_dim=DR, scale=0.05)
     out = sparse_mla(q, view, slots, lens, **kw, out_dtype=torch.float16,
-                     config=SparseMLAConfig(block_h=16, block_k=16, num_splits=2))
+                     config=SparseMLAConfig(block_h=16, block_k=16, num_splits=2, dequant_f32=dequant_f32))
     assert out.dtype == torch.float16
     assert_close(out.float(), sparse_mla_ref(q, view, slots, lens, **kw), 2e-2)
 

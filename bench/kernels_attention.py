@@ -1,0 +1,291 @@
+"""Benchmark of sparse MLA attention and indexer scoring on one GPU.
+
+Sparse MLA decode: B in {1, 8, 32, 64, 128} rows, H in {64, 8}, K=2048 selected
+rows, Dl=512, Dr=64, fp8 and bf16 rows chosen at random from a 4 GiB pool (far
+beyond L2). Indexer decode: Hi=32, Di=128, fp8 rows, contexts 16K..1M over
+random page tables into a 4 GiB pool (plus bf16 rows at 128K). For each case:
+median time per call of a CUDA graph replaying the launch over rotating inputs
+(at least 256 MB of rows per replay, so repeats are not served from L2; decode
+runs under CUDA graphs too), achieved GB/s
+(bytes of selected MLA rows, or of indexer rows scored), the share of the HBM
+copy bandwidth measured in the same run (device-to-device copy, bytes read plus
+written), and the speed-up over the PyTorch twin (triton.testing.do_bench, L2 flushed) where
+the twin fits in memory; for the indexer also scoring plus torch.topk.
+A few tile configurations are tried at B=64 and the best is used for all B.
+Prints a table last and writes it, with the full log, under $OUT (or bench/out).
+
+    python bench/kernels_attention.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+from engine.kv_layout import KVLayout  # noqa: E402
+from kernels.indexer import IndexerConfig, indexer_scores, indexer_scores_ref, indexer_topk  # noqa: E402
+from kernels.sparse_mla import SparseMLAConfig, sparse_mla, sparse_mla_ref  # noqa: E402
+
+DL, DR, DI, HI, TOPK = 512, 64, 128, 32, 2048
+BATCHES = (1, 8, 32, 64, 128)
+CONTEXTS = (16384, 65536, 131072, 262144, 1048576)
+POOL_BYTES = 4 << 30
+_C = SparseMLAConfig
+MLA_CONFIGS = {  # (rows, heads): tried at B=64; the best is then also tried with other wave counts
+    ("fp8", 8): [_C(block_k=32, num_warps=8, num_stages=3), _C(block_k=32, num_warps=4, prefetch=True),
+                 _C(block_k=32, num_warps=8, num_stages=3, dequant_f32=True), _C(block_k=64, num_warps=8, num_stages=3)],
+    ("bf16", 8): [_C(block_k=32, num_warps=4, prefetch=True), _C(block_k=32, num_warps=8, num_stages=3),
+                  _C(block_k=64, num_warps=8, num_stages=3)],
+    ("fp8", 64): [_C(block_h=64, block_k=32, num_warps=8), _C(block_h=64, block_k=32, num_warps=8, dequant_f32=True),
+                  _C(block_h=16, block_k=64, num_warps=8), _C(block_h=32, block_k=32, num_warps=8)],
+    ("bf16", 64): [_C(block_h=16, block_k=64, num_warps=8), _C(block_h=64, block_k=32, num_warps=8),
+                   _C(block_h=32, block_k=64, num_warps=8)],
+}
+INDEXER_CONFIGS = [IndexerConfig(block_t=64), IndexerConfig(block_t=128, num_stages=3),
+                   IndexerConfig(block_t=128, num_warps=8, num_stages=3), IndexerConfig(block_t=128, num_stages=4),
+                   IndexerConfig(block_t=256, num_warps=8, num_stages=3), IndexerConfig(block_t=64, num_warps=4, num_stages=4)]
+ROTATE_BYTES = 256 << 20  # inputs rotated per timed graph so repeated calls do not hit L2 (60 MB)
+
+OUT_DIR = Path(os.environ.get("OUT") or Path(__file__).parent / "out")
+LOG: list[str] = []
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+    if OUT_DIR.is_dir():  # written as it goes, so a run cut short still leaves its log
+        with open(OUT_DIR / "kernels_attention.log", "a") as f:
+            f.write(msg + "\n")
+
+
+def bench(fn, rep: int = 100) -> float:
+    """Median milliseconds of fn, L2 flushed between runs (used for the twins and the copy)."""
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def bench_graph(fns: list, iters: int = 10) -> float:
+    """Median milliseconds per call of the calls in `fns`, captured in one CUDA graph (no launch gaps)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) / len(fns)
+
+
+def num_rotations(nbytes: int) -> int:
+    return max(1, min(256, triton.cdiv(ROTATE_BYTES, nbytes)))
+
+
+def hbm_copy_gbs() -> float:
+    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e6
+
+
+def glm_layout(kv_format: str) -> KVLayout:
+    return KVLayout(kv_format=kv_format, latent_dim=DL, rope_dim=DR, index_dim=DI, group_sizes=(1, 4),
+                    layer_group=(0, 1, 1, 1, 1), layer_pos=(0, 0, 1, 2, 3), num_full_layers=2)
+
+
+def make_pool(layout: KVLayout) -> torch.Tensor:
+    pages = POOL_BYTES // layout.page_bytes
+    return torch.empty((pages, layout.page_bytes), dtype=torch.uint8, device="cuda").random_(0, 256)
+
+
+def fill_mla_view(layout: KVLayout, pool: torch.Tensor, layer: int) -> torch.Tensor:
+    view = layout.mla_layer_view(pool, layer)
+    distinct = 1 << 16
+    rows = layout.encode_mla(torch.randn(distinct, DL, device="cuda"), torch.randn(distinct, DR, device="cuda"))
+    total = view.shape[0] * view.shape[1]
+    idx = torch.randint(0, distinct, (total,), device="cuda")
+    view.copy_(rows[idx].view(view.shape))
+    return view
+
+
+def fill_indexer_view(layout: KVLayout, pool: torch.Tensor) -> torch.Tensor:
+    view = layout.indexer_layer_view(pool, 1)
+    distinct = 1 << 16
+    rows = layout.encode_indexer(torch.randn(distinct, DI, device="cuda"))
+    for p0 in range(0, view.shape[0], 2048):
+        chunk = view[p0 : p0 + 2048]
+        idx = torch.randint(0, distinct, (chunk.shape[0] * chunk.shape[1],), device="cuda")
+        chunk.copy_(rows[idx].view(chunk.shape))
+    return view
+
+
+def fmt_row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _cfg_name(cfg) -> str:
+    if isinstance(cfg, SparseMLAConfig):
+        return (f"h{cfg.block_h}k{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}v{cfg.waves}"
+                + ("p" if cfg.prefetch else "") + ("f" if cfg.dequant_f32 else ""))
+    return f"t{cfg.block_t}w{cfg.num_warps}s{cfg.num_stages}" + ("p" if cfg.prefetch else "")
+
+
+def _pick(label: str, candidates: list, time_of) -> object:
+    timings = []
+    for cfg in candidates:
+        try:
+            timings.append((time_of(cfg), cfg))
+            log(f"  {label} {_cfg_name(cfg)}: {timings[-1][0] * 1e3:.1f} us")
+        except Exception as exc:  # a config that does not compile or fit is skipped
+            log(f"  {label} {_cfg_name(cfg)}: failed {type(exc).__name__}: {str(exc)[:200]}")
+    return min(timings, key=lambda t: t[0])[1] if timings else None
+
+
+def run_mla(hbm: float, rows_out: list) -> None:
+    for kv_format in ("fp8", "bf16"):
+        layout = glm_layout(kv_format)
+        pool = make_pool(layout)
+        view = fill_mla_view(layout, pool, 2)
+        num_slots = view.shape[0] * view.shape[1]
+        rb = layout.mla_row_bytes
+        kw = dict(kv_format=kv_format, latent_dim=DL, rope_dim=DR, scale=0.0417)
+        for heads in (8, 64):
+            best = None
+            for b in (64,) + tuple(x for x in BATCHES if x != 64):
+                nbytes = b * TOPK * rb
+                rot = num_rotations(nbytes)
+                slots = [torch.randint(0, num_slots, (b, TOPK), dtype=torch.int32, device="cuda") for _ in range(rot)]
+                lens = torch.full((b,), TOPK, dtype=torch.int32, device="cuda")
+                q = torch.randn(b, heads, DL + DR, device="cuda").to(torch.bfloat16)
+
+                def calls(cfg):
+                    return [lambda s=s: sparse_mla(q, view, s, lens, **kw, config=cfg) for s in slots]
+
+                if best is None:
+                    label = f"mla {kv_format} H={heads} B={b}"
+                    best = _pick(label, MLA_CONFIGS[(kv_format, heads)], lambda c: bench_graph(calls(c)))
+                    if best is None:
+                        break
+                    best = _pick(label, [best] + [dataclasses.replace(best, waves=v) for v in (1, 4, 8)],
+                                 lambda c: bench_graph(calls(c)))
+                ms = bench_graph(calls(best))
+                twin_ms = bench(lambda: sparse_mla_ref(q, view, slots[0], lens, **kw), rep=30)
+                gbs = nbytes / ms / 1e6
+                rows_out.append(dict(kernel="sparse_mla", fmt=kv_format, heads=heads, B=b, ctx=f"K={TOPK}",
+                                     MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin_ms / ms,
+                                     cfg=_cfg_name(best)))
+                log(fmt_row(_cells(rows_out[-1])))
+        del pool, view
+        torch.cuda.empty_cache()
+
+
+def run_indexer(hbm: float, rows_out: list) -> None:
+    for kv_format in ("fp8", "bf16"):
+        layout = glm_layout(kv_format)
+        pool = make_pool(layout)
+        view = fill_indexer_view(layout, pool)
+        tokens, num_pages, rb = view.shape[1], view.shape[0], view.shape[2]
+        contexts = CONTEXTS if kv_format == "fp8" else (131072,)
+        kw_base = dict(kv_format=kv_format, scale=DI**-0.5, topk=TOPK)
+        best = None
+        for ctx in (131072,) + tuple(c for c in contexts if c != 131072):
+            for b in (64,) + tuple(x for x in BATCHES if x != 64):
+                nbytes = b * ctx * rb
+                rot = num_rotations(nbytes)
+                max_pages = triton.cdiv(ctx, tokens)
+                tables = [torch.randint(0, num_pages, (b, max_pages), dtype=torch.int32, device="cuda")
+                          for _ in range(rot)]
+                r2r = torch.arange(b, dtype=torch.int32, device="cuda")
+                ctx_lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+                q = torch.randn(b, HI, DI, device="cuda").to(torch.bfloat16)
+                w = torch.randn(b, HI, device="cuda")
+                kw = dict(kw_base, max_ctx=ctx)
+
+                def calls(cfg, fn=indexer_scores):
+                    return [lambda t=t: fn(q, w, view, t, r2r, ctx_lens, ctx_lens, **kw, config=cfg) for t in tables]
+
+                if best is None:
+                    best = _pick(f"indexer {kv_format} B={b} ctx={ctx}", INDEXER_CONFIGS,
+                                 lambda c: bench_graph(calls(c)))
+                    if best is None:
+                        return
+                ms = bench_graph(calls(best))
+                topk_ms = bench_graph(calls(best, indexer_topk), iters=5)
+                twin = "-"
+                if b * ctx <= (4 << 20):
+                    twin_ms = bench(lambda: indexer_scores_ref(q, w, view, tables[0], r2r, ctx_lens, ctx_lens, **kw),
+                                    rep=30)
+                    twin = twin_ms / ms
+                gbs = nbytes / ms / 1e6
+                rows_out.append(dict(kernel="indexer", fmt=kv_format, heads=HI, B=b, ctx=f"{ctx // 1024}K",
+                                     MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin,
+                                     cfg=_cfg_name(best), topk_us=topk_ms * 1e3))
+                log(fmt_row(_cells(rows_out[-1])))
+                del tables
+        del pool, view
+        torch.cuda.empty_cache()
+
+
+HEADER = ["kernel", "rows", "heads", "B", "K / ctx", "MB read", "time us", "GB/s", "of HBM copy",
+          "x twin", "tiles", "+topk us"]
+
+
+def _cells(r: dict) -> list:
+    twin = r["twin"] if isinstance(r["twin"], str) else f"{r['twin']:.1f}x"
+    topk = f"{r['topk_us']:.0f}" if "topk_us" in r else "-"
+    return [r["kernel"], r["fmt"], r["heads"], r["B"], r["ctx"], f"{r['MB']:.1f}", f"{r['us']:.1f}",
+            f"{r['gbs']:.0f}", f"{100 * r['hbm']:.0f}%", twin, r["cfg"], topk]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("SKIP: no CUDA device")
+        return 0
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "kernels_attention.log").write_text("")
+    torch.manual_seed(0)
+    start = time.time()
+    props = torch.cuda.get_device_properties(0)
+    log(f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    hbm = hbm_copy_gbs()
+    log(f"HBM device-to-device copy (read + write): {hbm:.0f} GB/s")
+    rows: list[dict] = []
+    wanted = sys.argv[1:] or ["mla", "indexer"]  # e.g. `python bench/kernels_attention.py indexer`
+    for part in [p for name, p in (("mla", run_mla), ("indexer", run_indexer)) if name in wanted]:
+        try:
+            part(hbm, rows)
+        except Exception as exc:
+            log(f"{part.__name__} stopped: {type(exc).__name__}: {exc}")
+        torch.cuda.empty_cache()
+    table = [f"HBM copy bandwidth in this run: {hbm:.0f} GB/s; {time.time() - start:.0f} s", "",
+             fmt_row(HEADER), fmt_row(["---"] * len(HEADER))] + [fmt_row(_cells(r)) for r in rows]
+    print("\n".join(table), flush=True)
+    (OUT_DIR / "kernels_attention.md").write_text("\n".join(table) + "\n")
+    (OUT_DIR / "kernels_attention.json").write_text(json.dumps(dict(hbm_gbs=hbm, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

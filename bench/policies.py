@@ -1,0 +1,258 @@
+"""Residency policies side by side on a multi-turn agent workload.
+
+Model: GLM-5.3's attention shapes (64 heads, q_lora 2048, latent 512 + rope 64,
+32 indexer heads x 128, IndexShare pattern full/full/full/shared...), fewer
+layers and experts, random weights, FP8 KV. Workload: vLLM's published GLM-5.3
+agent benchmark (OpenHands traces: 13 turns, first turn 74,160 tokens, later
+turns 753, 220 output tokens), every length scaled by `--scale`, with the GPU
+page pool (GLM-5.3 on 8x H200: 9,269 pages of 64 tokens) and host pool (384 GiB)
+scaled by the same factor so memory pressure matches; `index_topk` is scaled too
+so context / top-K stays GLM's. Conversations run closed-loop: a turn starts
+when the previous one finishes.
+
+Top-K source: the model's own indexer (`--trace model`), or a synthetic decode
+trace (`--trace synthetic`) whose reuse distances reproduce published miss rates
+(about 30 / 13.4 / 6.7 % for an LRU of 1x / 2x / 4x top-K).
+
+Prints one table per run: mean running requests, output tokens/s, TPOT p50/p90,
+TTFT p50, hot hit rate, host-to-device GB/s and its share of the pinned H2D copy
+bandwidth measured in the same run; ratios against `offload` and `off`.
+Usage (GPU): python bench/policies.py --trace model --trace synthetic
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.attention_ops import TopK, TorchAttentionOps  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+from engine.tiny import TINY_CONFIG  # noqa: E402
+from engine.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
+from residency.config import HiSparseConfig  # noqa: E402
+
+logger = logging.getLogger("bench.policies")
+
+GLM53_GPU_PAGES = 9269  # engine.memory_plan for GLM-5.3, FP8 KV, 8x H200 at 0.92 utilisation
+GLM53_HOST_PAGES = 125907  # 384 GiB of GLM-5.3 pages
+FIRST_TURN, LATER_TURN, OUTPUT = 74160, 753, 220
+
+# Reuse-distance model of the synthetic trace (fitted offline to 30 / 13.4 / 6.7 % LRU misses).
+NEAR_SHARE, NEAR_SKEW, FAR_TAIL = 0.82, 2.0, 1.25
+
+
+def glm53_shaped_config(layers: int, experts: int, topk: int) -> dict:
+    pattern = ["full", "full", "full"] + ["shared"] * 3 + (["full"] + ["shared"] * 3) * 20
+    return dict(
+        TINY_CONFIG, hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048,
+        num_hidden_layers=layers, num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048,
+        kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32,
+        index_head_dim=128, index_topk=topk, indexer_types=pattern[:layers], n_routed_experts=experts,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+        max_position_embeddings=1 << 20, torch_dtype="bfloat16",
+    )
+
+
+class SyntheticTopK(TorchAttentionOps):
+    """Decode rows pick top-K by sampling LRU reuse distances; prefill rows use the model's indexer."""
+
+    def __init__(self, layout, seed: int = 0) -> None:  # noqa: ANN001
+        super().__init__(layout)
+        self._last_use: dict[tuple[str, int], torch.Tensor] = {}
+        self._clock = 0
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def indexer_topk(self, q, weights, keys, limits, topk, scale, stream):  # noqa: ANN001, ANN201
+        if q.shape[0] != 1 or int(limits[0]) <= topk:
+            return super().indexer_topk(q, weights, keys, limits, topk, scale, stream)
+        ctx = int(limits[0])
+        last = self._last_use.get(stream)
+        if last is None or last.numel() < ctx:
+            grown = torch.full((max(ctx, 2 * (0 if last is None else last.numel())),), -1.0)
+            if last is not None:
+                grown[: last.numel()] = last
+            last = self._last_use[stream] = grown
+        self._clock += 1
+        order = torch.argsort(last[:ctx] + torch.rand(ctx, generator=self._gen) * 1e-3, descending=True)
+        u = torch.rand(topk, generator=self._gen)
+        near = torch.rand(topk, generator=self._gen) < NEAR_SHARE
+        depth = torch.where(near, topk * u.pow(NEAR_SKEW), topk * u.clamp(min=1e-9).pow(-1.0 / FAR_TAIL))
+        chosen = torch.unique(order[depth.long().clamp(0, ctx - 1)])
+        chosen = torch.unique(torch.cat([chosen, torch.tensor([ctx - 1])]))  # the newest token always
+        if chosen.numel() < topk:  # fill with the most recent unchosen positions
+            taken = torch.zeros(ctx, dtype=torch.bool)
+            taken[chosen] = True
+            chosen = torch.cat([chosen, order[~taken[order]][: topk - chosen.numel()]])
+        chosen = chosen[:topk]
+        last[chosen] = float(self._clock)
+        positions = chosen.to(q.device)[None]
+        return TopK(positions, torch.tensor([topk], device=q.device))
+
+
+@dataclass
+class Timeline:
+    submitted: float
+    first: float | None = None
+    finished: float | None = None
+    tokens: int = 0
+
+
+@dataclass
+class Conversation:
+    history: list[int]
+    turns_left: int
+    rng: torch.Generator
+    timelines: list[Timeline] = field(default_factory=list)
+
+
+def measure_h2d_gbps(device: str) -> float:
+    if device != "cuda":
+        return float("nan")
+    src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 5 * src.numel() / (time.perf_counter() - start) / 1e9
+
+
+def run_policy(args: argparse.Namespace, model_dir: Path, policy: str, trace: str, pages: int, host_gib: float,
+               conversations: int) -> dict:
+    s = args.scale
+    hs = HiSparseConfig(policy=policy, host_pool_gib=host_gib if policy in ("hybrid", "offload") else 0.0)
+    engine = LLMEngine(EngineConfig(
+        model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32",
+        kv_dtype="fp8" if args.device == "cuda" else "auto", device=args.device, num_gpu_pages=pages,
+        max_num_batched_tokens=max(256, int(32768 * s)), max_num_seqs=256, random_weights=True,
+        max_model_len=1 << 20, hisparse=hs, enable_prefix_cache=True,
+    ))
+    if trace == "synthetic":
+        engine.runner.ops = SyntheticTopK(engine.layout)
+    out_len = max(16, round(OUTPUT * s))
+    convs = [Conversation([], args.turns, torch.Generator().manual_seed(i)) for i in range(conversations)]
+    live: dict[str, Conversation] = {}
+
+    def submit(i: int, conv: Conversation, now: float) -> None:
+        n = round((FIRST_TURN if not conv.history else LATER_TURN) * s)
+        conv.history += torch.randint(0, 380, (n,), generator=conv.rng).tolist()
+        rid = f"c{i}-t{args.turns - conv.turns_left}"
+        engine.add_request(rid, list(conv.history), SamplingParams(max_tokens=out_len, ignore_eos=True))
+        conv.turns_left -= 1
+        conv.timelines.append(Timeline(now))
+        live[rid] = conv
+
+    start = time.perf_counter()
+    for i, conv in enumerate(convs):
+        submit(i, conv, start)
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for o in outputs:
+            conv = live[o.request_id]
+            tl = conv.timelines[-1]
+            tl.first = tl.first or now
+            tl.tokens = len(o.token_ids)
+            if o.finished:
+                tl.finished = now
+                conv.history += o.token_ids
+                del live[o.request_id]
+                if conv.turns_left:
+                    submit(convs.index(conv), conv, now)
+    wall = time.perf_counter() - start
+    stats = engine.stats()
+    tls = [t for c in convs for t in c.timelines]
+    tpot = sorted((t.finished - t.first) / max(t.tokens - 1, 1) for t in tls)
+    ttft = sorted(t.first - t.submitted for t in tls)
+    by_state = stats["requests_by_state"]
+    running = sum(by_state.get(k, {}).get("mean", 0.0) for k in ("full", "mixed", "none"))
+    hits, misses = stats.get("hot_hits", 0), stats.get("hot_misses", 0)
+    del engine
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return dict(
+        policy=policy, trace=trace, wall_s=wall, mean_running=running,
+        out_tok_s=sum(t.tokens for t in tls) / wall,
+        tpot_p50_ms=1e3 * statistics.median(tpot), tpot_p90_ms=1e3 * tpot[int(0.9 * (len(tpot) - 1))],
+        ttft_p50_s=statistics.median(ttft), hot_hit_rate=hits / (hits + misses) if hits + misses else float("nan"),
+        h2d_gbps=stats.get("bytes_h2d", 0) / wall / 1e9, preemptions=stats["preemptions"], swaps=stats["swaps"],
+        demoted=stats.get("pages_demoted", 0), promoted=stats.get("pages_promoted", 0),
+    )
+
+
+def print_table(rows: list[dict], h2d_ceiling: float) -> None:
+    print(f"\n{'trace':<9} {'policy':<8} {'running':>8} {'tok/s':>8} {'TPOT50':>8} {'TPOT90':>8} {'TTFT50':>8} "
+          f"{'hit%':>6} {'H2D GB/s':>9} {'%PCIe':>6} {'x offl':>7} {'x off':>6} {'pre+swap':>8}")
+    for r in rows:
+        peers = {p["policy"]: p for p in rows if p["trace"] == r["trace"]}
+        vs_offload = r["out_tok_s"] / peers["offload"]["out_tok_s"] if "offload" in peers else float("nan")
+        vs_off = r["out_tok_s"] / peers["off"]["out_tok_s"] if "off" in peers else float("nan")
+        print(f"{r['trace']:<9} {r['policy']:<8} {r['mean_running']:>8.2f} {r['out_tok_s']:>8.1f} "
+              f"{r['tpot_p50_ms']:>8.1f} {r['tpot_p90_ms']:>8.1f} {r['ttft_p50_s']:>8.2f} "
+              f"{100 * r['hot_hit_rate']:>6.1f} {r['h2d_gbps']:>9.3f} {100 * r['h2d_gbps'] / h2d_ceiling:>6.2f} "
+              f"{vs_offload:>7.2f} {vs_off:>6.2f} {r['preemptions'] + r['swaps']:>8}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--scale", type=float, default=0.125, help="factor on every token count and pool size")
+    parser.add_argument("--conversations", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=13)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--trace", action="append", choices=["model", "synthetic"])
+    parser.add_argument("--policies", nargs="+", default=["hybrid", "offload", "off"])
+    parser.add_argument("--no-pressure-check", action="store_true", help="also compare hybrid and off, ample pool")
+    parser.add_argument("--small", action="store_true", help="tiny-model shapes (CPU smoke run)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    traces = args.trace or ["model"]
+    out = Path(os.environ.get("OUT", tempfile.mkdtemp()))
+    model_dir = out / "policies-model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    write_tiny_tokenizer(model_dir)
+    topk = max(64, round(2048 * args.scale))
+    raw = dict(TINY_CONFIG, index_topk=topk) if args.small else glm53_shaped_config(args.layers, args.experts, topk)
+    (model_dir / "config.json").write_text(json.dumps(dict(raw, vocab_size=raw.get("vocab_size", 448))))
+    pages = round(GLM53_GPU_PAGES * args.scale)
+    probe = LLMEngine(EngineConfig(model=str(model_dir), num_gpu_pages=1, random_weights=True, device="cpu",
+                                   kv_dtype="fp8" if args.device == "cuda" else "auto"))
+    host_gib = round(GLM53_HOST_PAGES * args.scale) * probe.layout.page_bytes / 2**30
+    del probe
+    h2d = measure_h2d_gbps(args.device)
+    print(f"scale {args.scale}: top-K {topk}, GPU pages {pages}, host pool {host_gib:.2f} GiB, "
+          f"pinned H2D ceiling {h2d:.1f} GB/s", flush=True)
+    rows = []
+    for trace in traces:
+        for policy in args.policies:
+            rows.append(run_policy(args, model_dir, policy, trace, pages, host_gib, args.conversations))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.no_pressure_check:
+        for policy in ("off", "hybrid"):
+            row = run_policy(args, model_dir, policy, "model", pages * 8, host_gib, max(args.conversations // 4, 1))
+            rows.append(dict(row, trace="ample"))
+            print(json.dumps(rows[-1]), flush=True)
+    (out / "policies.json").write_text(json.dumps(rows, indent=1))
+    print_table(rows, h2d)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

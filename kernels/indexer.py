@@ -1,0 +1,293 @@
+"""Lightning indexer: score every cached position of a row, then pick its top-K.
+
+For query row n (a decode token or one token of an extend chunk) with request
+r = row_to_req[n] and visible length L = min(ctx_lens[n], limits[n], max_ctx):
+
+    score[n, p] = sum_h w[n, h] * relu(scale * q[n, h] . key[p])    for p < L
+    score[n, p] = -inf                                                 otherwise
+
+Keys live in one full-indexer layer's page view `[num_pages, T, row_bytes]`
+uint8 (T tokens per indexer page, a multiple of 64); logical page p // T of
+request r is physical page `page_table[r, p // T]`. Row formats: `fp8` (Di e4m3
+values then one fp32 scale, `kernels.fp8_rows`), `bf16`, `float32`. The dot
+runs in fp16 for fp8 rows (e4m3 -> fp16 is exact; the row scale multiplies the
+dot), in the query dtype for bf16 rows, and in IEEE float32 for float32 queries.
+At most 65535 query rows per launch (grid limit).
+
+Top-K: `positions[n, :counts[n]]` are the positions of the counts[n] =
+min(K, L) largest scores, in no particular order (ties broken arbitrarily);
+entries at and after counts[n] are unspecified (values in [0, max(max_ctx, K)),
+never read by consumers). This first version scores with a Triton kernel into a
+[N, max(max_ctx, K)] float32 buffer and selects with `torch.topk`; a row with
+L < K selects exactly positions 0..L-1. No host synchronisation, shapes depend
+only on tensor shapes: the whole call is CUDA-graph capturable.
+
+Contents: `indexer_scores_ref` / `indexer_topk_ref` (PyTorch twins), the
+Triton scoring kernel, and the launchers `indexer_scores` / `indexer_topk`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import fp8_rows
+
+KV_FORMATS = ("fp8", "bf16", "float32")
+
+
+class IndexerTopK(NamedTuple):
+    positions: torch.Tensor  # [N, K] int32 token positions, first counts[n] valid
+    counts: torch.Tensor  # [N] int32 = min(K, visible length)
+
+
+@dataclass(frozen=True)
+class IndexerConfig:
+    """Tile shapes of the scoring launch (`for_problem` gives the measured defaults)."""
+
+    block_t: int = 64  # positions per tile (divides tokens per indexer page)
+    tiles: int | None = None  # tiles per program (amortises the query load)
+    num_warps: int = 4
+    num_stages: int = 2
+    prefetch: bool = False  # load tile i+1 into registers while tile i computes
+
+    @classmethod
+    def for_problem(cls, kv_format: str, tokens_per_page: int) -> "IndexerConfig":
+        """Best measured tiles on an H200 (bench/results_attention.md) for this row format."""
+        if kv_format == "fp8" and tokens_per_page % 128 == 0:
+            return cls(block_t=128, num_warps=4, num_stages=3)
+        return cls(block_t=64, num_warps=4, num_stages=2)
+
+
+def indexer_row_bytes(kv_format: str, dim: int) -> int:
+    if kv_format == "fp8":
+        return fp8_rows.indexer_row_bytes(dim)
+    return dim * (4 if kv_format == "float32" else 2)
+
+
+def _visible(ctx_lens: torch.Tensor, limits: torch.Tensor, max_ctx: int) -> torch.Tensor:
+    return torch.clamp(torch.minimum(ctx_lens, limits), 0, max_ctx).to(torch.int32)
+
+
+def _select(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> IndexerTopK:
+    """Top-K of each score row; rows with fewer than K visible positions take 0..K-1."""
+    idx = torch.topk(scores, topk, dim=1, sorted=False).indices.to(torch.int32)
+    fill = torch.arange(topk, dtype=torch.int32, device=scores.device)[None, :]
+    positions = torch.where(visible[:, None] >= topk, idx, fill)
+    return IndexerTopK(positions, torch.clamp(visible, max=topk))
+
+
+# --- PyTorch twins -------------------------------------------------------------------
+
+
+def _decode_keys(rows: torch.Tensor, kv_format: str, dim: int) -> torch.Tensor:
+    if kv_format == "fp8":
+        return fp8_rows.unpack_indexer_rows(rows, dim)
+    src = torch.float32 if kv_format == "float32" else torch.bfloat16
+    return rows.contiguous().view(src).float()
+
+
+def indexer_scores_ref(
+    q: torch.Tensor, weights: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+    row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
+    kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch scores [N, max(max_ctx, topk)] float32; `config` is ignored."""
+    tokens = kv.shape[1]
+    max_ctx = page_table.shape[1] * tokens if max_ctx is None else max_ctx
+    width = max(max_ctx, topk)
+    visible = _visible(ctx_lens, limits, max_ctx)
+    pos = torch.arange(width, device=q.device)
+    valid = pos[None, :] < visible[:, None].long()  # [N, W]
+    page = torch.clamp(pos // tokens, max=page_table.shape[1] - 1)
+    phys = page_table[row_to_req.long()][:, page].long()  # [N, W]
+    phys = torch.where(valid, phys, torch.zeros_like(phys))
+    rows = kv[phys, (pos % tokens)[None, :].expand_as(phys)]  # [N, W, row_bytes]
+    n, dim = q.shape[0], q.shape[2]
+    keys = _decode_keys(rows.reshape(n * width, -1), kv_format, dim).reshape(n, width, dim)
+    logits = torch.relu(torch.einsum("nhd,nwd->nhw", q.float(), keys) * scale)
+    scores = torch.einsum("nhw,nh->nw", logits, weights.float())
+    scores = scores.masked_fill(~valid, float("-inf"))
+    return scores if out is None else out.copy_(scores)
+
+
+def indexer_topk_ref(
+    q: torch.Tensor, weights: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+    row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
+    kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
+) -> IndexerTopK:
+    """Plain PyTorch indexer top-K."""
+    scores = indexer_scores_ref(q, weights, kv, page_table, row_to_req, ctx_lens, limits,
+                                kv_format=kv_format, scale=scale, topk=topk, max_ctx=max_ctx)
+    max_ctx = page_table.shape[1] * kv.shape[1] if max_ctx is None else max_ctx
+    return _select(scores, _visible(ctx_lens, limits, max_ctx), topk)
+
+
+# --- Triton kernel -------------------------------------------------------------------
+
+
+@triton.jit
+def _load_keys(kv_ptr, table_row, t0, visible, num_table_pages, stride_kp,
+               DI: tl.constexpr, TOKENS: tl.constexpr, ROW: tl.constexpr, KV_FMT: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Issue the loads of one tile of keys (one indexer page holds the whole tile): values as stored, scales."""
+    pos = t0 + tl.arange(0, BLOCK_T)
+    valid = pos < visible
+    lp = t0 // TOKENS
+    phys = tl.load(table_row + lp, mask=(t0 < visible) & (lp < num_table_pages), other=0).to(tl.int64)
+    row = phys * stride_kp + (pos % TOKENS) * ROW  # constexpr row size: the compiler sees its alignment
+    cd = tl.arange(0, DI)
+    if KV_FMT == 0:  # fp8 values then one fp32 scale
+        k = tl.load(kv_ptr + row[:, None] + cd[None, :], mask=valid[:, None], other=0)
+        ksc = tl.load((kv_ptr + row + DI).to(tl.pointer_type(tl.float32), bitcast=True), mask=valid, other=0.0)
+    else:
+        if KV_FMT == 1:
+            kp = (kv_ptr + row).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        else:
+            kp = (kv_ptr + row).to(tl.pointer_type(tl.float32), bitcast=True)
+        k = tl.load(kp[:, None] + cd[None, :], mask=valid[:, None], other=0.0)
+        ksc = tl.full([BLOCK_T], 1.0, tl.float32)
+    return k, ksc
+
+
+@triton.jit
+def _indexer_score_kernel(
+    q_ptr, w_ptr, kv_ptr, table_ptr, req_ptr, vis_ptr, score_ptr,
+    stride_qn, stride_qh, stride_wn, stride_kp, stride_tb, stride_sn,
+    num_heads, num_table_pages, width, scale,
+    DI: tl.constexpr, TOKENS: tl.constexpr, ROW: tl.constexpr, KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n = tl.program_id(1)
+    heads = tl.arange(0, BLOCK_H)
+    hmask = heads < num_heads
+    q = tl.load(q_ptr + n.to(tl.int64) * stride_qn + heads[:, None] * stride_qh + tl.arange(0, DI)[None, :],
+                mask=hmask[:, None], other=0.0).to(COMPUTE)
+    w = tl.load(w_ptr + n.to(tl.int64) * stride_wn + heads, mask=hmask, other=0.0)
+    visible = tl.load(vis_ptr + n)
+    table_row = table_ptr + tl.load(req_ptr + n).to(tl.int64) * stride_tb
+    first = pid * TILES * BLOCK_T
+    if PREFETCH:
+        nxt_k, nxt_sc = _load_keys(kv_ptr, table_row, first, visible, num_table_pages, stride_kp,
+                                   DI, TOKENS, ROW, KV_FMT, BLOCK_T)
+    for i in range(TILES):
+        t0 = first + i * BLOCK_T
+        if PREFETCH:
+            k, ksc = nxt_k, nxt_sc
+            nxt_k, nxt_sc = _load_keys(kv_ptr, table_row, t0 + BLOCK_T, visible, num_table_pages, stride_kp,
+                                       DI, TOKENS, ROW, KV_FMT, BLOCK_T)
+        else:
+            k, ksc = _load_keys(kv_ptr, table_row, t0, visible, num_table_pages, stride_kp,
+                                DI, TOKENS, ROW, KV_FMT, BLOCK_T)
+        if KV_FMT == 0:
+            k = k.to(tl.float8e4nv, bitcast=True)
+        k = k.to(COMPUTE)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.maximum(s * (ksc * scale)[None, :], 0.0) * w[:, None]
+        pos = t0 + tl.arange(0, BLOCK_T)
+        sc = tl.where(pos < visible, tl.sum(s, axis=0), float("-inf"))
+        tl.store(score_ptr + n.to(tl.int64) * stride_sn + pos, sc, mask=pos < width)
+
+
+# --- launchers -----------------------------------------------------------------------
+
+_COMPUTE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_FMT_CODE = {"fp8": 0, "bf16": 1, "float32": 2}
+
+
+def compute_dtype(q_dtype: torch.dtype, kv_format: str):
+    """Operand dtype of the dot: float32 for float32 queries (IEEE dot), fp16 for fp8 rows (one exact
+    conversion from e4m3; queries must stay inside fp16 range), else the query dtype."""
+    if q_dtype == torch.float32:
+        return tl.float32
+    return tl.float16 if kv_format == "fp8" else _COMPUTE[q_dtype]
+
+
+def _check(q, weights, kv, page_table, row_to_req, ctx_lens, limits, kv_format, block_t) -> None:
+    if kv_format not in KV_FORMATS:
+        raise ValueError(f"kv_format {kv_format!r} is not one of {KV_FORMATS}")
+    if q.dim() != 3 or q.stride(2) != 1 or q.dtype not in _COMPUTE:
+        raise ValueError(f"q must be float [N, Hi, Di] with unit last stride, got {tuple(q.shape)} {q.dtype}")
+    n, hi, di = q.shape
+    if di < 16 or di & (di - 1):
+        raise ValueError(f"index dim must be a power of two >= 16, got {di}")
+    if weights.dtype != torch.float32 or weights.shape != (n, hi) or weights.stride(1) != 1:
+        raise ValueError("weights must be float32 [N, Hi] with unit last stride")
+    rb = indexer_row_bytes(kv_format, di)
+    if kv.dtype != torch.uint8 or kv.dim() != 3 or kv.shape[2] != rb or kv.stride(2) != 1 or kv.stride(1) != rb:
+        raise ValueError(f"kv must be a uint8 [pages, T, {rb}] view, rows contiguous within a page")
+    if kv.shape[1] % block_t:
+        raise ValueError(f"tokens per indexer page {kv.shape[1]} must be a multiple of block_t {block_t}")
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
+        raise ValueError("page_table must be int32 [R, max_pages] with unit last stride")
+    for t, name in ((row_to_req, "row_to_req"), (ctx_lens, "ctx_lens"), (limits, "limits")):
+        if t.dtype != torch.int32 or t.shape != (n,):
+            raise ValueError(f"{name} must be int32 [N]")
+    if len({t.device for t in (q, weights, kv, page_table, row_to_req, ctx_lens, limits)}) != 1:
+        raise ValueError("all inputs must share a device")
+
+
+def _tiles(cfg: IndexerConfig, n: int, width: int, device: torch.device) -> int:
+    if cfg.tiles is not None:
+        return cfg.tiles
+    total = triton.cdiv(width, cfg.block_t)
+    if device.type != "cuda":
+        return max(1, min(4, total))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per_row = triton.cdiv(4 * sms, max(n, 1))  # programs wanted per row
+    return max(1, min(8, total // max(per_row, 1)))
+
+
+def indexer_scores(
+    q: torch.Tensor, weights: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+    row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
+    kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton scores [N, max(max_ctx, topk)] float32 (-inf where not visible), optionally into `out`."""
+    cfg = config or IndexerConfig.for_problem(kv_format, kv.shape[1])
+    _check(q, weights, kv, page_table, row_to_req, ctx_lens, limits, kv_format, cfg.block_t)
+    n, hi, di = q.shape
+    max_ctx = page_table.shape[1] * kv.shape[1] if max_ctx is None else max_ctx
+    width = max(max_ctx, topk)
+    if out is None:
+        scores = torch.empty((n, width), dtype=torch.float32, device=q.device)
+    elif out.shape != (n, width) or out.dtype != torch.float32 or out.stride(1) != 1 or out.device != q.device:
+        raise ValueError(f"out must be float32 [N, {width}] with unit last stride on q's device")
+    else:
+        scores = out
+    if n == 0:
+        return scores
+    visible = _visible(ctx_lens, limits, max_ctx)
+    tiles = _tiles(cfg, n, width, q.device)
+    grid = (triton.cdiv(width, cfg.block_t * tiles), n)
+    _indexer_score_kernel[grid](
+        q, weights, kv, page_table, row_to_req, visible, scores,
+        q.stride(0), q.stride(1), weights.stride(0), kv.stride(0), page_table.stride(0),
+        scores.stride(0), hi, page_table.shape[1], width, scale,
+        DI=di, TOKENS=kv.shape[1], KV_FMT=_FMT_CODE[kv_format], COMPUTE=compute_dtype(q.dtype, kv_format), ROW=kv.shape[2],
+        IEEE=q.dtype == torch.float32, BLOCK_H=max(16, triton.next_power_of_2(hi)),
+        BLOCK_T=cfg.block_t, TILES=tiles, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return scores
+
+
+def indexer_topk(
+    q: torch.Tensor, weights: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+    row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
+    kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
+) -> IndexerTopK:
+    """Triton scoring then torch.topk: q [N, Hi, Di], weights [N, Hi] -> IndexerTopK."""
+    scores = indexer_scores(q, weights, kv, page_table, row_to_req, ctx_lens, limits,
+                            kv_format=kv_format, scale=scale, topk=topk, max_ctx=max_ctx, config=config)
+    max_ctx = page_table.shape[1] * kv.shape[1] if max_ctx is None else max_ctx
+    return _select(scores, _visible(ctx_lens, limits, max_ctx), topk)
