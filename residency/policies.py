@@ -4,8 +4,8 @@
   (their GPU pages free at once, no copy on the critical path), lease them hot
   buffers, keep their tails; preempt only when that is not enough. When pages
   are plentiful again, re-promote host-resident requests (resident pages cost no
-  miss copies), but only while a share of the pool stays free afterwards, so a
-  promotion is not undone by the next admission.
+  miss copies), but only while nothing waits for pages and a share of the pool
+  stays free afterwards, so a promotion is not undone by the next admission.
 - `offload`: move the most recently admitted request to host whole; it comes
   back whole before it runs again (dense-attention style swapping).
 - `preempt` / `off`: drop the most recently admitted request; it recomputes.
@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from residency.manager import PagedRequest, ResidencyManager
 
@@ -23,6 +23,7 @@ class SchedulerView(Protocol):
     """The scheduler operations a policy may use."""
 
     running: list
+    waiting: Any
 
     def preempt(self, req: PagedRequest) -> None: ...
 
@@ -65,6 +66,8 @@ class HybridPolicy:
         return PreemptPolicy().make_room(scheduler, needed, requester)
 
     def rebalance(self, scheduler: SchedulerView) -> None:
+        if scheduler.waiting:  # requests are queued for pages: promoting now would be undone at once
+            return
         cache = self.residency.gpu_cache
         reserve = int(self.residency.config.promote_free_fraction * cache.pool.num_pages)
         for req in scheduler.running:
