@@ -57,7 +57,7 @@ class IndexerConfig:
 
     @classmethod
     def for_problem(cls, kv_format: str, tokens_per_page: int) -> "IndexerConfig":
-        """Best measured tiles on an H200 (bench/results_attention.md) for this row format."""
+        """Best measured tiles on an H200 (bench/RESULTS.md) for this row format."""
         if kv_format == "fp8" and tokens_per_page % 128 == 0:
             return cls(block_t=128, num_warps=4, num_stages=3)
         return cls(block_t=64, num_warps=4, num_stages=2)

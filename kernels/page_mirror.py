@@ -17,7 +17,7 @@ Two ways to move the bytes, with the same signature:
 
 `mirror_pages` is the one the engine calls; it uses the copy engine. Measured
 on an H200 (GLM-5.3 pages of 3,274,752 bytes to random host pages of an 8 GiB
-pinned pool, device time, bench/kernels_residency.py, bench/results_residency.md;
+pinned pool, device time, bench/kernels_residency.py, bench/RESULTS.md;
 D2H memcpy ceiling 55.2 GB/s in the same run):
 
 | pages | Triton (one launch) | copy engine (copy_ per run) |

@@ -34,7 +34,7 @@ past `count` are -1.
 halves (the copy can go on a side stream as prefetch for the group's shared
 layers). They are the Triton path (CUDA, or CPU under TRITON_INTERPRET=1);
 `resolve_group_reference` is the plain PyTorch twin with the same signature and
-the same effects, byte for byte. H200 numbers: bench/results_residency.md (plan
+the same effects, byte for byte. H200 numbers: bench/RESULTS.md (plan
 8.4 us at B=100 without misses in a CUDA graph; miss copy 85-100% of the UVA
 gather ceiling from about 1.7 MB per launch).
 """

@@ -51,7 +51,7 @@ class SparseMLAConfig:
 
     @classmethod
     def for_problem(cls, num_heads: int, kv_format: str) -> "SparseMLAConfig":
-        """Best measured tiles on an H200 (bench/results_attention.md) for this head count and row format."""
+        """Best measured tiles on an H200 (bench/RESULTS.md) for this head count and row format."""
         if num_heads > 16 and kv_format == "fp8":
             return cls(block_h=64, block_k=32, num_warps=8, num_stages=2, waves=4)
         if num_heads > 16:
