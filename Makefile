@@ -17,4 +17,4 @@ test: setup
 	$(PY) -m pytest
 
 run: setup
-	$(PY) -m engine chat
+	$(VENV)/bin/serve run configs/tiny.yaml

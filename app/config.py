@@ -1,0 +1,316 @@
+"""The application's configuration: the `args` of a Serve config file, validated once at the boundary.
+
+`build_app` turns the `args` mapping into an `AppConfig` (`AppConfig.from_args`),
+resolves the model directory, and hands the frozen result to every deployment.
+Unknown fields are refused with their path and the names allowed there, so a typo
+never falls back to a default in silence. Engine fields this engine does not have
+yet (speculative decoding) are accepted and documented;
+`engine_config` passes only the fields `EngineConfig` has and logs the others as
+not applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.config import EngineConfig
+from engine.tiny import make_tiny
+from residency.config import HiSparseConfig
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """The Serve config's `args` are invalid; the message names the field and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class HiSparseArgs(_Section):
+    """Hybrid HiSparse residency: where KV goes when GPU pages run short (vLLM's flag names)."""
+
+    policy: Literal["hybrid", "offload", "preempt", "off"] = "off"
+    """hybrid: demote mirrored pages, load selected rows back; offload: swap requests out; preempt; off: no host."""
+    host_pool_gib: float = Field(0.0, ge=0)
+    """Pinned host memory per replica for mirrored, demoted and swapped pages (hybrid and offload need > 0)."""
+    offload_pool_gib: float = Field(0.0, ge=0)
+    """Separate host budget for the indexer pages of waiting requests."""
+    hot_rows: int | None = Field(None, ge=1)
+    """Hot-buffer slots per demoted request; None = twice the model's top-K; at least top-K."""
+    promote_free_fraction: float = Field(0.25, ge=0, lt=1)
+    """A demoted request moves back to the GPU only if this share of the GPU pool stays free."""
+
+
+class AttentionArgs(_Section):
+    """Attention back-end settings."""
+
+    hisparse_config: HiSparseArgs = HiSparseArgs()
+    """Residency of the sparse-MLA KV cache."""
+
+
+class EngineArgs(_Section):
+    """One replica's engine."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights and activations; float32 is the reference mode."""
+    kv_dtype: Literal["auto", "float32", "bf16", "fp8"] = "auto"
+    """KV row format; auto = the model dtype; fp8 = 656-byte MLA rows at GLM shape."""
+    device: str = "cpu"
+    """Torch device of the replica: cpu or cuda."""
+    num_gpu_pages: int | None = Field(None, ge=1)
+    """KV pool size in pages; None = sized from kv_cache_gib."""
+    kv_cache_gib: float = Field(0.25, gt=0)
+    """KV pool size in GiB on a CPU when num_gpu_pages is not given."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Share of GPU memory for weights, KV pool and activations (sizes the pool on a GPU)."""
+    activation_reserve_gib: float = Field(4.0, ge=0)
+    """GPU workspace kept out of the KV pool."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most requests running at once in one replica."""
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    """Token budget of one engine step (chunked prefill plus decodes)."""
+    max_model_len: int | None = Field(None, ge=2)
+    """Longest prompt plus output; None = the model's max_position_embeddings."""
+    enable_prefix_cache: bool = True
+    """Reuse computed pages of equal prompt prefixes (needed for P/D and multi-turn reuse)."""
+    seed: int = 0
+    """Seeds requests that bring no seed of their own."""
+    random_weights: bool = False
+    """Seeded random weights instead of loading the checkpoint (shape-only runs)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one replica spans (the model's heads and MLP features are split over them)."""
+    executor: Literal["mp", "ray"] = "mp"
+    """How tensor-parallel ranks run: processes the replica spawns, or Ray actors in its placement group."""
+    num_speculative_tokens: int = Field(0, ge=0)
+    """Draft tokens per step from the model's MTP layers; 0 = off."""
+    attention_config: AttentionArgs = AttentionArgs()
+    """Attention and KV residency."""
+
+    @model_validator(mode="after")
+    def _host_pool_for_policy(self) -> EngineArgs:
+        hs = self.attention_config.hisparse_config
+        if hs.policy in ("hybrid", "offload") and hs.host_pool_gib <= 0:
+            raise ValueError(f"attention_config.hisparse_config.policy {hs.policy!r} needs host_pool_gib > 0")
+        return self
+
+
+class DeploymentArgs(_Section):
+    """Ray Serve options of one deployment."""
+
+    num_replicas: int = Field(1, ge=0)
+    """Replicas of the deployment."""
+    max_ongoing_requests: int = Field(64, ge=1)
+    """Requests one replica serves at once; beyond it the router queues or picks another replica."""
+    max_queued_requests: int = Field(-1, ge=-1)
+    """Requests waiting for a replica before new ones are refused (HTTP 503); -1 = unbounded."""
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs Ray reserves per replica."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs Ray reserves per replica."""
+    health_check_period_s: float = Field(10.0, gt=0)
+    """Seconds between health checks (an engine whose loop died fails them)."""
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    """Seconds a health check may take before the replica counts as unhealthy."""
+    graceful_shutdown_timeout_s: float = Field(30.0, ge=0)
+    """Seconds a stopping replica waits for running requests before it is killed."""
+    placement_group_bundles: list[dict[str, float]] | None = None
+    """Resources of a placement group per replica (first bundle: the replica), e.g. one GPU bundle per rank."""
+    placement_group_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    """How the placement group's bundles are placed; STRICT_PACK keeps a replica's ranks on one node."""
+
+    def serve_options(self) -> dict[str, Any]:
+        """Keyword arguments for `Deployment.options`."""
+        return {
+            "num_replicas": self.num_replicas,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+            "health_check_period_s": self.health_check_period_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
+            "graceful_shutdown_timeout_s": self.graceful_shutdown_timeout_s,
+            **({"placement_group_bundles": self.placement_group_bundles,
+                "placement_group_strategy": self.placement_group_strategy} if self.placement_group_bundles else {}),
+        }
+
+
+class IngressArgs(DeploymentArgs):
+    """Ray Serve options of the ingress deployment (light: tokenizing, parsing, streaming)."""
+
+    num_cpus: float = Field(0.0, ge=0)
+    """CPUs Ray reserves per ingress replica."""
+    max_ongoing_requests: int = Field(256, ge=1)
+    """Requests one ingress replica serves at once (streams in flight)."""
+
+
+class PrefillArgs(DeploymentArgs):
+    """Ray Serve options of the prefill deployment."""
+
+    num_replicas: int = Field(0, ge=0)
+    """Prefill replicas; 0 = colocated (decode replicas prefill themselves)."""
+
+
+class ApiArgs(_Section):
+    """The OpenAI-compatible HTTP API."""
+
+    api_key: str | None = None
+    """Bearer key clients must send; prefer api_key_env, since Serve shows args in its dashboard."""
+    api_key_env: str = "HISPARSE_API_KEY"
+    """Environment variable read by the ingress replica for the key when api_key is not set."""
+    default_max_tokens: int = Field(256, ge=1)
+    """Output tokens of a request that names no max_tokens."""
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    """Admission limit: longer prompts get HTTP 400 at the ingress; None = only max_model_len applies."""
+
+
+class DisaggArgs(_Section):
+    """Prefill/decode disaggregation (used when prefill.num_replicas > 0)."""
+
+    min_transfer_tokens: int | None = Field(None, ge=1)
+    """Remote prefill only when this many prompt tokens are uncached on the decode replica; None = one indexer page."""
+    prefill_timeout_s: float = Field(120.0, gt=0)
+    """Seconds the decode replica waits for remote prefill and the export before prefilling locally."""
+
+
+class RoutingArgs(_Section):
+    """How the ingress picks a decode replica."""
+
+    affinity: bool = True
+    """Send the turns of one conversation to the replica that holds its prefix, unless it is saturated."""
+    session_header: str = "x-session-id"
+    """Request header naming a conversation; without it the conversation's opening is the key."""
+    prefix_tokens: int = Field(512, ge=1)
+    """Completions without a session header: the first this many prompt tokens are the affinity key."""
+
+
+class ModelSource(_Section):
+    """Where the weights come from."""
+
+    path: str
+    """Local Hugging Face model directory; $VAR and ${VAR} are read from the environment at build time."""
+    create_tiny: bool = False
+    """Write the tiny random-weight model to `path` when it has no config.json (the CPU demo)."""
+
+
+class AppConfig(_Section):
+    """Everything `build_app` needs: the `args` of the Serve application."""
+
+    model_id: str = "glm-tiny"
+    """Name clients send as `model` and see in /v1/models."""
+    model: ModelSource
+    """The checkpoint."""
+    engine: EngineArgs = EngineArgs()
+    """Engine of the decode replicas, and of the prefill replicas unless prefill_engine is set."""
+    prefill_engine: EngineArgs | None = None
+    """Engine of the prefill replicas when they differ (batch size, no host pool); same KV row format."""
+    ingress: IngressArgs = IngressArgs()
+    """The HTTP ingress deployment."""
+    decode: DeploymentArgs = DeploymentArgs()
+    """Decode replicas: own an engine, orchestrate remote prefill, generate."""
+    prefill: PrefillArgs = PrefillArgs()
+    """Prefill replicas: compute prompts and export their KV."""
+    api: ApiArgs = ApiArgs()
+    """HTTP API behaviour."""
+    disagg: DisaggArgs = DisaggArgs()
+    """Prefill/decode transfer."""
+    routing: RoutingArgs = RoutingArgs()
+    """Decode replica choice."""
+    metrics_interval_s: float = Field(2.0, gt=0)
+    """Seconds between engine gauge updates (running, waiting, pages)."""
+
+    @model_validator(mode="after")
+    def _needs_decode(self) -> AppConfig:
+        if self.decode.num_replicas < 1:
+            raise ValueError("decode.num_replicas must be at least 1")
+        return self
+
+    @model_validator(mode="after")
+    def _same_rows_for_prefill(self) -> AppConfig:
+        prefill = self.prefill_engine
+        if prefill is not None and (prefill.dtype, prefill.kv_dtype) != (self.engine.dtype, self.engine.kv_dtype):
+            raise ValueError("prefill_engine must keep engine's dtype and kv_dtype: their KV pages are exchanged")
+        return self
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
+        """Validates Serve `args`; raises `ConfigError` listing every problem."""
+        try:
+            return cls.model_validate(args or {})
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from None
+
+    def resolved(self) -> AppConfig:
+        """The config with an absolute, existing model directory (the tiny model is written if asked)."""
+        path = Path(_expand_env(self.model.path)).expanduser().resolve()
+        if not (path / "config.json").is_file():
+            if not self.model.create_tiny:
+                raise ConfigError(f"model.path {str(path)!r} has no config.json (set model.create_tiny for the demo)")
+            logger.info("writing the tiny model to %s", path)
+            make_tiny(path)
+        return self.model_copy(update={"model": self.model.model_copy(update={"path": str(path)})})
+
+    def engine_config(self, role: Literal["decode", "prefill"] = "decode") -> EngineConfig:
+        """The `EngineConfig` of a replica: fields the engine has; the others are logged as not applied."""
+        args = self.prefill_engine if role == "prefill" and self.prefill_engine is not None else self.engine
+        engine = args.model_dump(exclude={"attention_config"})
+        hisparse = args.attention_config.hisparse_config.model_dump()
+        try:
+            return EngineConfig(
+                model=self.model.path,
+                hisparse=HiSparseConfig(**_applicable(HiSparseConfig, hisparse, HiSparseArgs().model_dump())),
+                **_applicable(EngineConfig, engine, EngineArgs().model_dump(exclude={"attention_config"})),
+            )
+        except ValueError as exc:
+            raise ConfigError(f"engine: {exc}") from None
+
+
+def _applicable(target: type, values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The `values` that `target` (a dataclass) has fields for; set values it lacks are logged."""
+    known = {f.name for f in dataclasses.fields(target)}
+    skipped = sorted(k for k, v in values.items() if k not in known and v != defaults[k])
+    if skipped:
+        logger.warning("%s fields not applied (this engine does not have them yet): %s", target.__name__, skipped)
+    return {k: v for k, v in values.items() if k in known}
+
+
+def _expand_env(value: str) -> str:
+    missing = [m.group(1) or m.group(2) for m in re.finditer(r"\$\{(\w+)\}|\$(\w+)", value)
+               if (m.group(1) or m.group(2)) not in os.environ]
+    if missing:
+        raise ConfigError(f"model.path {value!r} names unset environment variables: {missing}")
+    return os.path.expandvars(value)
+
+
+def _allowed_fields(loc: tuple[Any, ...]) -> list[str]:
+    """Field names allowed at the section holding `loc`'s last key."""
+    model: type[BaseModel] = AppConfig
+    for key in loc[:-1]:
+        field = model.model_fields.get(str(key))
+        annotation = field.annotation if field else None
+        sections = [a for a in (annotation, *typing.get_args(annotation))
+                    if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not sections:
+            return []
+        model = sections[0]
+    return sorted(model.model_fields)
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        loc = tuple(error["loc"])
+        where = ".".join(str(part) for part in loc) or "args"
+        if error["type"] == "extra_forbidden":
+            lines.append(f"args.{where}: unknown field; allowed here: {', '.join(_allowed_fields(loc))}")
+        else:
+            lines.append(f"args.{where}: {error['msg']}")
+    return "invalid application args:\n  " + "\n  ".join(lines)

@@ -1,0 +1,86 @@
+"""The decode deployment: owns an engine, orchestrates remote prefill, streams tokens.
+
+Shaped like Ray Serve LLM's prefill/decode pattern: the decode replica receives
+the request, asks a prefill replica to compute the prompt (`max_tokens=1`), gets
+back a KV handle, lands the pages in its own prefix cache (on GPU pages, or in
+its host pool when the GPU pool is short) and then generates locally. Remote prefill happens only when a prefill deployment exists and the
+part of the prompt this replica does not already cache is at least
+`disagg.min_transfer_tokens` long; only that part is moved. Any failure of the
+remote path (prefill replica dead or saturated, object lost, export refused,
+timeout) is logged and counted, and the replica prefills locally: the request
+still succeeds. Without prefill replicas the deployment is colocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ray.exceptions import RayError
+from ray.serve.exceptions import RayServeException
+from ray.serve.handle import DeploymentHandle
+
+from app.config import AppConfig
+from app.engine_server import EngineServer
+from app.messages import GenerateChunk, GenerateRequest, PrefillRequest
+from disagg.host_tier import TransferFailed, fetch
+from disagg.landing import cached_prefix_tokens, land_prefix
+from engine.request import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeServer(EngineServer):
+    role = "decode"
+
+    async def __init__(self, config: AppConfig, prefill: DeploymentHandle | None = None) -> None:
+        await super().__init__(config)
+        self._prefill = prefill
+        kv = self.engine.engine.kv
+        self._min_transfer_tokens = config.disagg.min_transfer_tokens or kv.indexer_page_tokens
+        self._reuse_unit = kv.indexer_page_tokens
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Streams the request's chunks; a request the engine refuses yields one refusal chunk."""
+        try:
+            self.engine.engine.validate(req.prompt_token_ids, req.params)
+        except InvalidRequestError as exc:
+            yield GenerateChunk.refusal(400, str(exc))
+            return
+        if self._prefill is not None and self.engine.is_healthy():
+            await self._prefill_remotely(req)
+        async for chunk in self._stream(req):
+            yield chunk
+
+    async def _prefill_remotely(self, req: GenerateRequest) -> None:
+        """Lands the prompt's KV computed by a prefill replica; on any failure leaves it to local prefill."""
+        ids = req.prompt_token_ids
+        held = await self.engine.run_in_engine(lambda e: cached_prefix_tokens(e, ids))
+        reusable = (len(ids) - 1) // self._reuse_unit * self._reuse_unit
+        if reusable - held < self._min_transfer_tokens:
+            self.counters["local_prefills"] += 1
+            return
+        started = time.monotonic()
+        timeout = self._config.disagg.prefill_timeout_s
+        response = self._prefill.prefill.remote(PrefillRequest(req.request_id, ids, held))
+        try:
+            handle = await asyncio.wait_for(response, timeout)
+            export = await fetch(handle, max(timeout - (time.monotonic() - started), 1.0))
+            await asyncio.to_thread(export.verify, self._config.model_id, self.engine.engine.layout, ids)
+            landing = await self.engine.run_in_engine(lambda e: land_prefix(e, ids, export))
+        except asyncio.CancelledError:
+            response.cancel()
+            raise
+        except (RayError, RayServeException, TransferFailed, ValueError, asyncio.TimeoutError) as exc:
+            response.cancel()
+            logger.warning("%s: remote prefill failed, prefilling locally: %r", req.request_id, exc)
+            self.counters["transfer_fallbacks"] += 1
+            self.metrics.transfer("fallback")
+            return
+        self.counters["remote_prefills"] += 1
+        self.counters["imported_tokens"] += landing.imported_tokens
+        self.counters[f"imported_tokens_{landing.tier}"] += landing.imported_tokens
+        self.counters["imported_bytes"] += export.num_bytes
+        self.metrics.transfer("imported", landing.imported_tokens, export.num_bytes, time.monotonic() - started)

@@ -1,0 +1,117 @@
+"""An engine replica: one `AsyncEngine` with its health check, metrics, counters and drain.
+
+Base of `PrefillServer` and `DecodeServer`. Serve builds it on the replica; the
+engine (and its thread) is created off the event loop in `__init__`. A periodic
+task copies the engine's stats into the replica's metrics. `check_health` fails
+once the engine loop has died, so Serve replaces the replica. On shutdown Serve
+first drains the replica's ongoing requests, then calls `__del__`, which waits
+for the engine to go idle and stops its thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from app.config import AppConfig
+from app.messages import GenerateChunk, GenerateRequest
+from app.metrics import RESIDENCY_STATES, ReplicaMetrics
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.llm_engine import LLMEngine
+from engine.request import InvalidRequestError
+from residency.manager import ResidencyManager
+
+logger = logging.getLogger(__name__)
+
+# Bound on waiting for the engine thread to answer a stats call (it answers between steps).
+_STATS_TIMEOUT_S = 30.0
+_DRAIN_TIMEOUT_S = 30.0
+
+
+def _engine_stats(engine: LLMEngine) -> dict[str, Any]:
+    """`LLMEngine.stats()` plus the requests in each residency state now (the engine's own are per-step peaks)."""
+    stats = engine.stats()
+    scheduler = engine.scheduler
+    states = dict.fromkeys(RESIDENCY_STATES, 0)
+    states["waiting"], states["swapped"] = len(scheduler.waiting), len(scheduler.swapped)
+    for req in scheduler.running:
+        states[ResidencyManager.state(req)] += 1
+    stats.update(requests_now=states, swapped=len(scheduler.swapped))
+    return stats
+
+
+class EngineServer:
+    """Owns the replica's engine; subclasses add the prefill or decode verbs."""
+
+    role: Literal["decode", "prefill"]
+
+    async def __init__(self, config: AppConfig) -> None:
+        self._config = config
+        self.engine = await asyncio.to_thread(AsyncEngine, config.engine_config(self.role))
+        self.metrics = ReplicaMetrics(config.model_id, self.role)
+        # Transfer and request counts of this replica, returned by `stats()` next to the engine's.
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._stats_task = asyncio.get_running_loop().create_task(self._publish_stats())
+        logger.info("%s replica serving %s from %s", self.role, config.model_id, config.model.path)
+
+    async def check_health(self) -> None:
+        """Serve's health probe: fails once the engine loop has stopped."""
+        if not self.engine.is_healthy():
+            raise RuntimeError(f"the engine loop is not running: {self.engine.error!r}")
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's page and request figures plus this replica's counters."""
+        engine_stats = await asyncio.wait_for(self.engine.run_in_engine(_engine_stats), _STATS_TIMEOUT_S)
+        return {**engine_stats, **self.counters}
+
+    async def _publish_stats(self) -> None:
+        while self.engine.is_healthy():
+            try:
+                self.metrics.update_engine(await self.stats())
+            except Exception:  # noqa: BLE001 - a metrics failure must not end the replica's metrics for good
+                logger.exception("updating engine metrics failed")
+            await asyncio.sleep(self._config.metrics_interval_s)
+
+    async def _stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Runs `req` on the local engine; refusals become one refusal chunk, metrics are recorded at the end."""
+        arrival = time.monotonic()
+        first_token_at: float | None = None
+        prompt_tokens = output_tokens = 0
+        reason = "abort"
+        try:
+            outputs = self.engine.generate(req.prompt_token_ids, req.params, req.request_id)
+            async with contextlib.aclosing(outputs):  # leaving early aborts the request now, not at collection
+                async for output in outputs:
+                    if first_token_at is None:
+                        first_token_at = time.monotonic()
+                    prompt_tokens, output_tokens = output.num_prompt_tokens, len(output.token_ids)
+                    reason = output.finish_reason or reason
+                    yield GenerateChunk.of(output)
+        except InvalidRequestError as exc:
+            yield GenerateChunk.refusal(400, str(exc))
+            return
+        except EngineDeadError as exc:
+            yield GenerateChunk.refusal(503, f"the engine of this replica stopped: {exc}")
+            return
+        finally:
+            self.counters[f"finished_{reason}"] += 1
+            if first_token_at is not None:
+                ttft = first_token_at - arrival
+                self.metrics.request_finished(prompt_tokens, output_tokens, ttft, time.monotonic() - arrival, reason)
+
+    def __del__(self) -> None:
+        """Serve's shutdown hook (after its own drain): let the engine go idle, then stop it."""
+        engine: AsyncEngine | None = getattr(self, "engine", None)
+        if engine is None:
+            return
+        task = getattr(self, "_stats_task", None)
+        if task is not None:
+            task.cancel()
+        if engine.is_healthy() and not engine.wait_idle(_DRAIN_TIMEOUT_S):
+            logger.warning("engine still busy after %.0fs; stopping it", _DRAIN_TIMEOUT_S)
+        engine.shutdown()

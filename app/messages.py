@@ -1,0 +1,58 @@
+"""What the deployments send each other: plain dataclasses, pickled by Ray.
+
+The ingress sends a `GenerateRequest` to a decode replica and reads back a
+stream of `GenerateChunk`s; a refused request is one chunk carrying an HTTP
+status and message, so the ingress can answer before it starts streaming.
+A decode replica sends a `PrefillRequest` to a prefill replica and gets a
+`disagg.host_tier.KVHandle` back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.llm_engine import RequestOutput
+from engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerateChunk:
+    """One step's new text of a request, or the reason it was refused."""
+
+    text_delta: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error_status: int | None = None  # HTTP status of a refusal
+    error_message: str = ""
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> GenerateChunk:
+        return cls(
+            text_delta=output.text_delta,
+            finished=output.finished,
+            finish_reason=output.finish_reason,
+            num_prompt_tokens=output.num_prompt_tokens,
+            num_cached_tokens=output.num_cached_tokens,
+            num_output_tokens=len(output.token_ids),
+        )
+
+    @classmethod
+    def refusal(cls, status: int, message: str) -> GenerateChunk:
+        return cls(finished=True, error_status=status, error_message=message)
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    start_tokens: int  # the decode replica already holds the prefix up to here: not exported

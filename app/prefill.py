@@ -1,0 +1,46 @@
+"""The prefill deployment: computes prompts and exports their KV through the object store.
+
+Called by decode replicas only (never by the ingress). For each `PrefillRequest`
+it runs the prompt on its own engine with `max_tokens=1`, snapshots the cached
+pages of the prompt, drops those the decode replica already holds, and publishes
+the rest as a `KVExport` object it owns. It returns the `KVHandle`; the decode
+replica reads the object. If this replica dies, its objects die with it and the
+decode replicas prefill locally.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from app.engine_server import EngineServer
+from app.messages import PrefillRequest
+from disagg.host_tier import KVHandle, publish
+from disagg.kv_export import export_snapshot
+from engine.prefix_transfer import snapshot_prefix
+from engine.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ONE_TOKEN = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+class PrefillServer(EngineServer):
+    role = "prefill"
+
+    async def prefill(self, req: PrefillRequest) -> KVHandle:
+        """Computes `req`'s prompt and publishes the KV pages from `req.start_tokens` on."""
+        ids = req.prompt_token_ids
+        num_cached = 0
+        async for output in self.engine.generate(ids, _ONE_TOKEN, f"{req.request_id}-prefill"):
+            num_cached = output.num_cached_tokens
+        snap = await self.engine.run_in_engine(lambda e: snapshot_prefix(e.kv, e.runner.kv_pool, ids))
+        export = export_snapshot(snap, self._config.model_id, self.engine.engine.layout, ids, req.start_tokens)
+        handle = await publish(export)
+        self.counters["prefills"] += 1
+        self.counters["prefill_computed_tokens"] += len(ids) - num_cached
+        self.counters["exported_tokens"] += handle.num_transferred_tokens
+        self.counters["exported_bytes"] += handle.num_bytes
+        self.metrics.transfer("exported", handle.num_transferred_tokens, handle.num_bytes)
+        logger.debug("%s: exported tokens [%d, %d), %d bytes", req.request_id, handle.start_tokens,
+                     handle.num_tokens, handle.num_bytes)
+        return handle

@@ -1,0 +1,102 @@
+"""GLM tool calls in generated text, parsed into OpenAI tool calls: whole, or as the text streams.
+
+A call is `<tool_call>NAME`, then per argument `<arg_key>KEY</arg_key>` and
+`<arg_value>VALUE</arg_value>`, then `</tool_call>`; several calls may follow each
+other. Values are JSON when they parse as JSON, else raw strings. A call that does
+not close (the output hit its length limit) stays text.
+
+`parse_tool_calls` splits a finished output into content and calls.
+`ToolCallStreamParser` does the same for a stream of text deltas: text before a
+call is released at once, except a tail that may be the start of `<tool_call>`;
+from `<tool_call>` on, nothing is released until `</tool_call>` closes the call,
+which then comes out whole. One parser per streamed response.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+    def arguments_json(self) -> str:
+        """Arguments as OpenAI sends them: a JSON object in a string."""
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+def _value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def parse_call(body: str) -> ToolCall | None:
+    """The call inside `<tool_call>...</tool_call>`; None when it names no function."""
+    name = body.split("<arg_key>", 1)[0].strip()
+    if not name:
+        return None
+    return ToolCall(name, {key.strip(): _value(value) for key, value in _ARGUMENT.findall(body)})
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """(content outside the calls, the calls) of a finished output."""
+    parser = ToolCallStreamParser()
+    events = parser.feed(text) + parser.finish()
+    content = "".join(e for e in events if isinstance(e, str))
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    return (content.strip() if calls else content), calls
+
+
+def _partial_open_len(text: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `<tool_call>`."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:n]):
+            return n
+    return 0
+
+
+class ToolCallStreamParser:
+    """Turns text deltas into content deltas and whole tool calls, in order."""
+
+    def __init__(self) -> None:
+        self._held = ""
+        self._in_call = False
+
+    def feed(self, delta: str) -> list[str | ToolCall]:
+        """Content and calls that `delta` completes; text that may belong to a call is held back."""
+        self._held += delta
+        events: list[str | ToolCall] = []
+        while True:
+            if not self._in_call:
+                at = self._held.find(OPEN)
+                if at < 0:
+                    keep = _partial_open_len(self._held)
+                    events.append(self._held[: len(self._held) - keep])
+                    self._held = self._held[len(self._held) - keep :]
+                    break
+                events.append(self._held[:at])
+                self._held, self._in_call = self._held[at + len(OPEN) :], True
+            else:
+                end = self._held.find(CLOSE)
+                if end < 0:
+                    break
+                body = self._held[:end]
+                self._held, self._in_call = self._held[end + len(CLOSE) :], False
+                events.append(parse_call(body) or OPEN + body + CLOSE)
+        return [e for e in events if e != ""]
+
+    def finish(self) -> list[str | ToolCall]:
+        """Releases what is held at the end of the output: an unclosed call stays text."""
+        rest = (OPEN if self._in_call else "") + self._held
+        self._held, self._in_call = "", False
+        return [rest] if rest else []

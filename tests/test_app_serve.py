@@ -1,0 +1,338 @@
+"""The real application on a local Ray cluster, driven over HTTP with the official `openai` client.
+
+One cluster and three applications for the whole module: `hisparse` is configs/tiny.yaml
+(one prefill and one decode replica) with the test's tiny model; `tight` is the same
+model colocated with a one-request queue and an API key, for overload, authentication
+and drain; `pressure` has a 24-page KV pool, so imported KV must land in the host pool.
+Tests share them; the ones that kill or delete replicas run last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import ray
+import yaml
+from ray import serve
+
+from app.main import build_app
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    """A loopback port nothing listens on, so runs beside other Serve instances do not collide."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+PORT = _free_port()
+BASE = f"http://127.0.0.1:{PORT}"
+MODEL = "glm-tiny"
+TIGHT_KEY = "test-secret"
+LONG_USER_TURN = "the weather in the city of Paris " * 70  # about 800 prompt tokens: one indexer page moves
+
+
+def _tiny_args(model_dir: Path) -> dict[str, Any]:
+    args = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())["applications"][0]["args"]
+    args["model"]["path"] = str(model_dir)
+    args["disagg"]["prefill_timeout_s"] = 20
+    args["metrics_interval_s"] = 0.5
+    return args
+
+
+def _tight_args(model_dir: Path) -> dict[str, Any]:
+    args = _tiny_args(model_dir)
+    args["model_id"] = "glm-tiny-tight"
+    args["prefill"]["num_replicas"] = 0
+    args["decode"].update(max_ongoing_requests=1, max_queued_requests=1, num_cpus=0.25)
+    args["api"]["api_key"] = TIGHT_KEY
+    return args
+
+
+def _pressure_args(model_dir: Path) -> dict[str, Any]:
+    args = _tiny_args(model_dir)
+    args["model_id"] = "glm-tiny-pressure"
+    args["engine"]["num_gpu_pages"] = 24  # one long request holds most of it
+    args["decode"]["num_cpus"] = args["prefill"]["num_cpus"] = 0.25
+    return args
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_dir: Path) -> Iterator[None]:
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+             _system_config={"metrics_report_interval_ms": 1000})
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app(_tiny_args(tiny_dir)), name="hisparse", route_prefix="/")
+    serve.run(build_app(_tight_args(tiny_dir)), name="tight", route_prefix="/tight")
+    serve.run(build_app(_pressure_args(tiny_dir)), name="pressure", route_prefix="/pressure")
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture
+def client(cluster: None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _stats(deployment: str, app: str = "hisparse") -> dict[str, Any]:
+    return serve.get_deployment_handle(deployment, app).stats.remote().result()
+
+
+def _wait_for(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.2)
+
+
+def _idle(deployment: str, app: str = "hisparse") -> bool:
+    stats = _stats(deployment, app)
+    return stats["running"] == stats["waiting"] == stats["pages_in_use"] == 0 and stats.get("host_pages_in_use", 0) == 0
+
+
+def _chat(text: str, **kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], **kw}
+
+
+def test_models_health_and_tokenizer_routes(client: openai.OpenAI) -> None:
+    [model] = client.models.list().data
+    assert model.id == MODEL
+    assert httpx.get(f"{BASE}/health").status_code == 200
+    tokens = httpx.post(f"{BASE}/tokenize", json={"prompt": "hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 2048
+    assert httpx.post(f"{BASE}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "hello world"}
+    chat = httpx.post(f"{BASE}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"][-1] == tokens_of("<|assistant|>\n")[-1]
+
+
+def tokens_of(text: str) -> list[int]:
+    return httpx.post(f"{BASE}/tokenize", json={"prompt": text}).json()["tokens"]
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(**_chat("Hello there"), max_tokens=8, temperature=0, seed=1)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens <= 8 and reply.usage.prompt_tokens > 3
+    again = client.chat.completions.create(**_chat("Hello there"), max_tokens=8, temperature=0, seed=1)
+    assert again.choices[0].message.content == choice.message.content
+
+
+def test_streaming_chat_matches_non_streaming(client: openai.OpenAI) -> None:
+    kw = _chat("Tell me a story", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    stream = client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 16
+
+
+def test_completions(client: openai.OpenAI) -> None:
+    done = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert done.object == "text_completion" and done.usage.completion_tokens <= 6
+    by_ids = client.completions.create(model=MODEL, prompt=tokens_of("Once upon a time"), max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == done.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+
+
+def test_tool_call_round_trip(client: openai.OpenAI) -> None:
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    prompt = httpx.post(f"{BASE}/tokenize", json={"messages": messages, "tools": tools}).json()
+    assert "<tools>" in httpx.post(f"{BASE}/detokenize", json={"tokens": prompt["tokens"]}).json()["prompt"]
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=12)
+    assert first.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # The agent runs the tool and sends the call and its result back, as OpenAI clients do.
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=12, stream=True)
+    assert [c.choices[0].finish_reason for c in second if c.choices][-1] in ("stop", "length", "tool_calls")
+    rendered = httpx.post(f"{BASE}/tokenize", json={"messages": messages, "tools": tools}).json()["tokens"]
+    text = httpx.post(f"{BASE}/detokenize", json={"tokens": rendered}).json()["prompt"]
+    assert "<tool_call>get_weather" in text and "<tool_response>" in text
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ("{not json", 400, None),
+        ('{"model": "glm-tiny"}', 400, "messages"),
+        ('{"model": "glm-tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}', 400, "top_p"),
+        ('{"model": "glm-tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
+        ('{"model": "glm-tiny", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages"),
+        ('{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors(cluster: None, body: str, status: int, param: str | None) -> None:
+    response = httpx.post(f"{BASE}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and error["param"] == param
+
+
+def test_errors_through_the_client_and_serving_after(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="admits at most"):
+        client.chat.completions.create(**_chat("word " * 3000), max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="token ids must be"):  # refused by the decode engine
+        client.completions.create(model=MODEL, prompt=[5, 10**6], max_tokens=4)
+    assert client.chat.completions.create(**_chat("still there?"), max_tokens=4).choices[0].message is not None
+
+
+def test_prefill_decode_path_is_taken(client: openai.OpenAI) -> None:
+    before_p, before_d = _stats("PrefillServer"), _stats("DecodeServer")
+    reply = client.chat.completions.create(**_chat("Tell me about " + LONG_USER_TURN), max_tokens=4)
+    assert reply.usage.prompt_tokens_details.cached_tokens >= 576
+    after_p, after_d = _stats("PrefillServer"), _stats("DecodeServer")
+    assert after_p.get("prefills", 0) == before_p.get("prefills", 0) + 1
+    assert after_p["prefill_computed_tokens"] - before_p.get("prefill_computed_tokens", 0) >= 576
+    assert after_d["remote_prefills"] == before_d.get("remote_prefills", 0) + 1
+    assert after_d["imported_tokens"] - before_d.get("imported_tokens", 0) == reply.usage.prompt_tokens_details.cached_tokens
+    # The next turn of the conversation finds its prefix on the decode replica: nothing moves again.
+    follow = client.chat.completions.create(
+        model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Tell me about " + LONG_USER_TURN},
+                                             {"role": "assistant", "content": "Sure."},
+                                             {"role": "user", "content": "More?"}])
+    assert follow.usage.prompt_tokens_details.cached_tokens >= 576
+    assert _stats("DecodeServer")["remote_prefills"] == after_d["remote_prefills"]
+
+
+def test_disconnect_mid_stream_frees_pages(cluster: None) -> None:
+    aborted = _stats("DecodeServer").get("finished_abort", 0)
+    body = _chat("Keep talking", max_tokens=1500, stream=True, ignore_eos=True)
+    with httpx.stream("POST", f"{BASE}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(4):
+            next(lines)
+    _wait_for(lambda: _stats("DecodeServer").get("finished_abort", 0) == aborted + 1, 20)
+    _wait_for(lambda: _idle("DecodeServer"), 10)
+
+
+def test_burst_of_streams_completes_and_pools_return_to_baseline(cluster: None) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> str | None:
+        prompt = f"Request {i}: " + ("tell me more about the city " * (30 if i % 3 else 60))
+        stream = await client.chat.completions.create(**_chat(prompt), max_tokens=20, stream=True,
+                                                      extra_body={"ignore_eos": True})
+        reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
+        return reasons[-1]
+
+    async def burst() -> list[str | None]:
+        async with openai.AsyncOpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(12)))
+
+    assert asyncio.run(burst()) == ["length"] * 12
+    _wait_for(lambda: _idle("DecodeServer") and _idle("PrefillServer"))
+    stats = _stats("DecodeServer")
+    assert stats["pages_free"] + stats["pages_cached"] == stats["num_pages"]
+
+
+def test_overload_gets_503_and_api_key_is_enforced(cluster: None) -> None:
+    url, auth = f"{BASE}/tight/v1/chat/completions", {"Authorization": f"Bearer {TIGHT_KEY}"}
+    body = {**_chat("Go on"), "model": "glm-tiny-tight", "max_tokens": 200, "ignore_eos": True}
+    assert httpx.post(url, json=body).status_code == 401
+    assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(http.post(url, json=body, headers=auth) for _ in range(6)))
+
+    responses = asyncio.run(burst())
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(200) >= 1 and statuses.count(503) >= 1 and set(statuses) <= {200, 503}
+    assert next(r for r in responses if r.status_code == 503).json()["error"]["code"] == "overloaded"
+    small = {**body, "max_tokens": 2}
+    assert httpx.post(url, json=small, headers=auth).status_code == 200
+    _wait_for(lambda: _idle("DecodeServer", "tight"))
+
+
+def test_kv_lands_in_the_host_pool_when_the_gpu_pool_is_short(cluster: None) -> None:
+    url = f"{BASE}/pressure/v1/chat/completions"
+    # About 900 prompt tokens plus 300 output tokens: 17 pages at once, 22 at the end.
+    busy = {**_chat("Busy: " + LONG_USER_TURN + LONG_USER_TURN[:330]), "model": "glm-tiny-pressure",
+            "max_tokens": 300, "stream": True, "ignore_eos": True}
+    before = _stats("DecodeServer", "pressure")
+    with httpx.stream("POST", url, json=busy, timeout=60) as background:
+        lines = background.iter_lines()
+        assert next(lines).startswith("data: ")  # its prompt is computed: it holds most of the pool now
+        body = {**_chat("Tell me about " + LONG_USER_TURN), "model": "glm-tiny-pressure", "max_tokens": 4}
+        reply = httpx.post(url, json=body, timeout=60).json()
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 576
+        after = _stats("DecodeServer", "pressure")
+        assert after.get("imported_tokens_host", 0) - before.get("imported_tokens_host", 0) >= 576
+        assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+    _wait_for(lambda: _idle("DecodeServer", "pressure"))
+
+
+def test_metrics_reach_the_export_endpoint(cluster: None) -> None:
+    port = ray.nodes()[0]["MetricsExportPort"]
+    wanted = ["ray_vllm_num_requests_running{", "ray_vllm_time_to_first_token_seconds_bucket{",
+              "ray_vllm_generation_tokens_total{", "ray_vllm_prefix_cache_hits_total{",
+              "ray_hisparse_pages_in_use{", "ray_hisparse_kv_transfers_total{", "ray_hisparse_requests{"]
+
+    def exported() -> bool:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        lines = [line for line in text.splitlines() if 'model_name="glm-tiny"' in line and "WorkerId=" in line]
+        return all(any(line.startswith(name) for line in lines) for name in wanted)
+
+    _wait_for(exported, 60)
+
+
+def test_killing_the_prefill_replica_loses_no_request(cluster: None) -> None:
+    def prefill_actor() -> ray.actor.ActorHandle:
+        [name] = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith("SERVE_REPLICA::hisparse#PrefillServer#")]
+        return ray.get_actor(name, namespace="serve")
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> str | None:
+        reply = await client.chat.completions.create(**_chat(f"Case {i}: " + LONG_USER_TURN), max_tokens=3)
+        return reply.choices[0].finish_reason
+
+    async def load_while_killing(moved_before: int) -> list[str | None]:
+        decode = serve.get_deployment_handle("DecodeServer", "hisparse")
+        async with openai.AsyncOpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            tasks = [asyncio.create_task(one(client, i)) for i in range(8)]
+            while (await decode.stats.remote()).get("remote_prefills", 0) == moved_before:
+                await asyncio.sleep(0.02)
+            ray.kill(prefill_actor(), no_restart=True)  # the others are queued at or running on it
+            return await asyncio.gather(*tasks)
+
+    before = _stats("DecodeServer")
+    reasons = asyncio.run(load_while_killing(before.get("remote_prefills", 0)))
+    assert all(reason in ("stop", "length") for reason in reasons)
+    after = _stats("DecodeServer")
+    moved = after.get("remote_prefills", 0) - before.get("remote_prefills", 0)
+    fell_back = after.get("transfer_fallbacks", 0) - before.get("transfer_fallbacks", 0)
+    assert moved + fell_back == 8 and fell_back >= 1
+    _wait_for(lambda: _idle("DecodeServer"))
+
+
+def test_deleting_an_application_drains_its_streams(cluster: None) -> None:
+    body = {**_chat("Go on"), "model": "glm-tiny-tight", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {TIGHT_KEY}"}
+    with httpx.stream("POST", f"{BASE}/tight/v1/chat/completions", json=body, headers=headers, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        serve.delete("tight", _blocking=False)
+        events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"

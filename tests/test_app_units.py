@@ -1,0 +1,239 @@
+"""The Serve application's parts without a cluster: config schema, GLM tool-call parsing, routing, response bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.request_router import PendingRequest
+
+from app.config import AppConfig, ConfigError
+from app.decode import DecodeServer
+from app.main import build_app
+from app.messages import GenerateChunk, GenerateRequest
+from app.responses import ResponseMeta, collect_chat, stream_chat
+from app.router import AffinityRouter, affinity_rank
+from app.tool_parser import ToolCall, ToolCallStreamParser, parse_tool_calls
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
+from engine.request import SamplingParams
+from engine.tokenizer import Tokenizer
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _args(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / name).read_text())["applications"][0]["args"]
+
+
+# --- config -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "glm53.yaml", "glm53-pd.yaml"])
+def test_shipped_configs_validate(name: str) -> None:
+    config = AppConfig.from_args(_args(name))
+    assert config.decode.num_replicas >= 1
+
+
+def test_glm53_settings() -> None:
+    config = AppConfig.from_args(_args("glm53.yaml"))
+    engine, hs = config.engine, config.engine.attention_config.hisparse_config
+    assert (engine.kv_dtype, engine.max_num_batched_tokens, engine.max_num_seqs) == ("fp8", 32768, 256)
+    assert engine.gpu_memory_utilization == 0.92 and engine.tensor_parallel_size == 8
+    assert (hs.policy, hs.host_pool_gib, hs.offload_pool_gib) == ("hybrid", 384, 128)
+    assert config.api.max_prompt_tokens == 142_000 and config.prefill.num_replicas == 0
+    assert AppConfig.from_args(_args("glm53-pd.yaml")).prefill.num_replicas >= 1
+
+
+def test_unknown_fields_are_refused_with_their_path() -> None:
+    args = {"model": {"path": "x"}, "engine": {"max_num_seq": 3}, "decod": {}}
+    with pytest.raises(ConfigError) as info:
+        AppConfig.from_args(args)
+    message = str(info.value)
+    assert "args.engine.max_num_seq: unknown field" in message and "max_num_seqs" in message
+    assert "args.decod: unknown field" in message
+
+
+def test_bad_values_and_policy_without_host_pool() -> None:
+    with pytest.raises(ConfigError, match="max_num_seqs"):
+        AppConfig.from_args({"model": {"path": "x"}, "engine": {"max_num_seqs": 0}})
+    hybrid_without_pool = {"attention_config": {"hisparse_config": {"policy": "hybrid"}}}
+    with pytest.raises(ConfigError, match="host_pool_gib"):
+        AppConfig.from_args({"model": {"path": "x"}, "engine": hybrid_without_pool})
+    with pytest.raises(ConfigError, match="decode.num_replicas"):
+        AppConfig.from_args({"model": {"path": "x"}, "decode": {"num_replicas": 0}})
+
+
+def test_model_path_from_environment(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINY_DIR_FOR_TEST", str(tiny_dir))
+    config = AppConfig.from_args({"model": {"path": "${TINY_DIR_FOR_TEST}"}}).resolved()
+    assert config.model.path == str(tiny_dir.resolve())
+    with pytest.raises(ConfigError, match="UNSET_DIR_FOR_TEST"):
+        AppConfig.from_args({"model": {"path": "$UNSET_DIR_FOR_TEST/x"}}).resolved()
+
+
+def test_engine_config_takes_the_fields_the_engine_has(tiny_dir: Path) -> None:
+    args = _args("tiny.yaml")
+    args["model"]["path"] = str(tiny_dir)
+    args["engine"]["num_speculative_tokens"] = 3  # applied once the engine has it, logged until then
+    engine = AppConfig.from_args(args).resolved().engine_config()
+    assert engine.num_gpu_pages == 96 and engine.max_model_len == 2048
+    assert engine.hisparse.policy == "hybrid" and engine.hisparse.hot_rows == 64
+    assert getattr(engine, "num_speculative_tokens", 3) == 3
+
+
+def test_build_app_binds_colocated_and_disaggregated(tiny_dir: Path) -> None:
+    args = _args("tiny.yaml")
+    args["model"]["path"] = str(tiny_dir)
+    assert build_app(args) is not None
+    args["prefill"]["num_replicas"] = 0
+    assert build_app(args) is not None
+
+
+# --- tool calls -----------------------------------------------------------------------------
+
+CALLS = [
+    {"type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 3})}},
+    {"type": "function", "function": {"name": "search", "arguments": json.dumps({"q": "a <b> c", "filters": {"x": [1]}})}},
+]
+
+
+def _assistant_text(tiny_dir: Path, content: str) -> str:
+    """What the model would write for these calls: the tiny template's own rendering of the turn."""
+    tokenizer = Tokenizer.from_dir(tiny_dir)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content, "tool_calls": CALLS}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    return rendered.split("<|assistant|>\n", 1)[1]
+
+
+def test_parse_calls_from_template_rendering(tiny_dir: Path) -> None:
+    content, calls = parse_tool_calls(_assistant_text(tiny_dir, "Let me check."))
+    assert content == "Let me check."
+    assert calls == [ToolCall("get_weather", {"city": "Paris", "days": 3}),
+                     ToolCall("search", {"q": "a <b> c", "filters": {"x": [1]}})]
+
+
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_stream_parser_holds_calls_back_until_they_close(tiny_dir: Path, step: int) -> None:
+    text = _assistant_text(tiny_dir, "Checking") + "\ndone"
+    parser, events = ToolCallStreamParser(), []
+    for i in range(0, len(text), step):
+        for event in parser.feed(text[i : i + step]):
+            assert not (isinstance(event, str) and "<tool" in event), "call text leaked as content"
+            events.append(event)
+    events += parser.finish()
+    assert [e.name for e in events if isinstance(e, ToolCall)] == ["get_weather", "search"]
+    assert "".join(e for e in events if isinstance(e, str)).replace("\n", "") == "Checkingdone"
+
+
+def test_unclosed_call_stays_text() -> None:
+    content, calls = parse_tool_calls("ok <tool_call>get_weather\n<arg_key>city</arg_key>")
+    assert calls == [] and content == "ok <tool_call>get_weather\n<arg_key>city</arg_key>"
+    parser = ToolCallStreamParser()
+    assert parser.feed("a <tool_") == ["a "]
+    assert parser.finish() == ["<tool_"]
+
+
+def _chunks(text: str) -> list[GenerateChunk]:
+    return [GenerateChunk(text_delta=c, num_prompt_tokens=5, num_output_tokens=i + 1,
+                          finished=i == len(text) - 1, finish_reason="stop" if i == len(text) - 1 else None)
+            for i, c in enumerate(text)]
+
+
+def test_chat_bodies_carry_tool_calls(tiny_dir: Path) -> None:
+    meta = ResponseMeta("chatcmpl-1", "glm-tiny", 0, parse_tools=True, include_usage=True)
+    text = _assistant_text(tiny_dir, "")
+    body = collect_chat(meta, _chunks(text))
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+
+    async def stream() -> list[dict]:
+        async def source():
+            for chunk in _chunks(text):
+                yield chunk
+        return [json.loads(line[6:]) for line in [s async for s in stream_chat(meta, source())] if line != "data: [DONE]\n\n"]
+
+    events = asyncio.run(stream())
+    calls = [c for e in events if e["choices"] for c in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert [c["index"] for c in calls] == [0, 1] and calls[1]["function"]["name"] == "search"
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls" and events[-1]["usage"]["total_tokens"] > 5
+
+
+# --- routing ------------------------------------------------------------------------------------
+
+
+def _replica(name: str) -> ReplicaID:
+    return ReplicaID(unique_id=name, deployment_id=DeploymentID(name="DecodeServer", app_name="hisparse"))
+
+
+def test_affinity_rank_is_stable_and_moves_few_keys() -> None:
+    replicas = [_replica(f"r{i}") for i in range(4)]
+    first = {k: affinity_rank(k, replicas)[0] for k in (f"session:{i}" for i in range(200))}
+    assert first == {k: affinity_rank(k, list(reversed(replicas)))[0] for k in first}
+    assert len(set(first.values())) == 4
+    fewer = {k: affinity_rank(k, replicas[:3])[0] for k in first}
+    assert all(fewer[k] == first[k] for k in first if first[k] != replicas[3])
+
+
+class _Running:
+    def __init__(self, replica_id: ReplicaID) -> None:
+        self.replica_id = replica_id
+
+
+def test_router_prefers_the_key_replica_then_falls_back_to_load() -> None:
+    async def choose(key: str) -> list[list[ReplicaID]]:
+        router = AffinityRouter(DeploymentID(name="DecodeServer", app_name="hisparse"), DeploymentHandleSource.UNKNOWN)
+        replicas = [_Running(_replica(f"r{i}")) for i in range(3)]
+        request = PendingRequest(args=[], kwargs={}, metadata=RequestMetadata("r", "i", session_id=key))
+        ranks = await router.choose_replicas(replicas, request)
+        assert request.routing_context.should_backoff
+        return [[r.replica_id for r in rank] for rank in ranks]
+
+    ranks = asyncio.run(choose("session:abc"))
+    assert ranks[0] == [affinity_rank("session:abc", [_replica(f"r{i}") for i in range(3)])[0]]
+    assert len(ranks[1]) == 2 and ranks[0][0] not in ranks[1]
+    unkeyed = asyncio.run(choose(""))
+    assert len(unkeyed) == 1 and len(unkeyed[0]) == 2
+
+
+# --- engine replica -----------------------------------------------------------------------------
+
+
+def test_health_check_fails_once_the_engine_loop_died(tiny_dir: Path) -> None:
+    async def run() -> list[GenerateChunk]:
+        server = object.__new__(DecodeServer)  # the replica's state without Serve
+        server.engine = AsyncEngine(EngineConfig(model=str(tiny_dir), num_gpu_pages=32))
+        server.metrics = ReplicaMetricsStub()
+        server.counters = collections.Counter()
+        await server.check_health()
+
+        def boom() -> None:
+            raise RuntimeError("device lost")
+
+        server.engine.engine.step = boom
+        request = GenerateRequest("r1", [5, 6, 7], SamplingParams(max_tokens=4))
+        chunks = [c async for c in server._stream(request)]
+        with pytest.raises(RuntimeError, match="device lost"):
+            await server.check_health()
+        server.engine.shutdown()
+        return chunks
+
+    [refusal] = asyncio.run(run())
+    assert refusal.error_status == 503 and "device lost" in refusal.error_message
+
+
+class ReplicaMetricsStub:
+    def request_finished(self, *args: object) -> None:
+        raise AssertionError("a request that never produced a token is not recorded")
+
+
+def test_partial_sections_keep_their_own_defaults() -> None:
+    config = AppConfig.from_args({"model": {"path": "x"}, "ingress": {"num_replicas": 2}, "prefill": {"num_cpus": 2}})
+    assert config.ingress.num_cpus == 0 and config.ingress.max_ongoing_requests == 256
+    assert config.prefill.num_replicas == 0 and config.decode.num_replicas == 1
