@@ -95,6 +95,8 @@ class AsyncEngine:
         """Runs `fn(engine)` on the engine thread between steps (page transfers, stats)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
+            if not self.is_healthy():
+                raise EngineDeadError(f"engine loop is not running: {self.error!r}")
             self._calls.append((fn, future))
         self._wake.set()
         return await asyncio.wrap_future(future)
@@ -165,5 +167,8 @@ class AsyncEngine:
         dead = EngineDeadError(f"engine loop stopped: {self.error!r}" if self.error else "engine shut down")
         with self._lock:
             streams, self._streams = dict(self._streams), {}
+            calls, self._calls = self._calls, []
         for stream in streams.values():
             stream.put(dead)
+        for _, future in calls:
+            future.set_exception(dead)

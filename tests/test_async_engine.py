@@ -59,3 +59,28 @@ def test_invalid_request_raises_before_streaming(engine: AsyncEngine) -> None:
     with pytest.raises(InvalidRequestError, match="empty"):
         asyncio.run(run())
     assert engine.is_healthy()
+
+
+def test_dead_loop_fails_streams_and_calls(tiny_dir: Path) -> None:
+    from engine.async_engine import EngineDeadError
+
+    eng = AsyncEngine(EngineConfig(model=str(tiny_dir), enable_prefix_cache=False))
+
+    def broken_step():  # noqa: ANN202 - the model runner failing mid-step
+        raise RuntimeError("device lost")
+
+    eng.engine.step = broken_step
+
+    async def run() -> None:
+        async for _ in eng.generate([1, 2, 3], SamplingParams(max_tokens=4)):
+            pass
+
+    with pytest.raises(EngineDeadError, match="device lost"):
+        asyncio.run(run())
+    assert not eng.is_healthy()
+
+    async def call() -> None:
+        await eng.run_in_engine(lambda e: e.stats())
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(call())
