@@ -5,6 +5,11 @@ layers) into the page pool, then attends only over the top-K positions that
 its IndexShare group's full layer selected. Attention uses the absorbed form:
 queries are mapped into the latent space through `kv_b_proj`'s key half and the
 latent output back through its value half, so the cache never holds per-head K/V.
+
+Under tensor parallelism a rank holds whole heads (its rows of `q_b_proj` and
+`kv_b_proj`, its columns of `o_proj`) and returns a partial output; the latent
+projection, the cache writes and the indexer are replicated, so every rank
+writes the same rows and selects the same positions.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
 from engine.layers import RMSNorm, apply_rope
 from engine.model_config import ModelConfig
+from engine.parallel.tensor_parallel import TensorParallel
 
 
 @dataclass
@@ -84,10 +90,10 @@ class Indexer(nn.Module):
 class MLAAttention(nn.Module):
     """Multi-head latent attention over the slots chosen by the indexer."""
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        h = cfg.num_attention_heads
+        self.num_heads = h = tp.local(cfg.num_attention_heads, "num_attention_heads")  # this rank's heads
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
@@ -110,7 +116,7 @@ class MLAAttention(nn.Module):
         shared: Selection | None,
     ) -> tuple[torch.Tensor, Selection]:
         cfg = self.cfg
-        h, dn, dv, dl = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        h, dn, dv, dl = self.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(-1, h, cfg.qk_head_dim)
         q_nope, q_rope = q[..., :dn], apply_rope(q[..., dn:], cos, sin, cfg.rope_interleave)

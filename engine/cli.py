@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=list(POLICIES), default="off", help="what frees KV pages under pressure")
     p.add_argument("--host-pool-gib", type=float, default=0.0, help="host tier for hybrid / offload")
     p.add_argument("--hot-rows", type=int, default=None, help="hot slots per demoted request (default 2 x top-K)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split over")
+    p.add_argument("--executor", choices=["mp", "ray"], default="mp",
+                   help="how ranks run when --tensor-parallel-size > 1: processes or Ray actors")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -60,6 +64,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed if args.seed is not None else 0,
         random_weights=args.random_weights,
         hisparse=HiSparseConfig(policy=args.policy, host_pool_gib=args.host_pool_gib, hot_rows=args.hot_rows),
+        tensor_parallel_size=args.tensor_parallel_size,
+        executor=args.executor,
     )
 
 
@@ -102,8 +108,16 @@ def _submit(engine: LLMEngine, i: int, spec: dict[str, Any], args: argparse.Name
     return rid
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def _with_engine(run: Callable[[LLMEngine, argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Runs a command on a fresh engine and stops its worker processes afterwards, however it ends."""
     engine = LLMEngine(_engine_config(args))
+    try:
+        return run(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def cmd_generate(engine: LLMEngine, args: argparse.Namespace) -> int:
     try:
         specs = _read_requests(args, engine)
     except (InvalidRequestError, json.JSONDecodeError) as exc:
@@ -136,9 +150,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 2 if failed == len(results) else 0
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
+def cmd_chat(engine: LLMEngine, args: argparse.Namespace) -> int:
     """Interactive chat: one user line in, the streamed assistant reply out."""
-    engine = LLMEngine(_engine_config(args))
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -199,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         make_tiny(args.out, seed=args.seed)
         return 0
     try:
-        return cmd_generate(args) if args.command == "generate" else cmd_chat(args)
+        return _with_engine(cmd_generate if args.command == "generate" else cmd_chat, args)
     except (InvalidRequestError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from residency.config import HiSparseConfig
 
 DType = Literal["float32", "bfloat16"]
 KVDType = Literal["auto", "float32", "bf16", "fp8"]
+ExecutorKind = Literal["mp", "ray"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,12 @@ class EngineConfig:
     hisparse: HiSparseConfig = field(default_factory=HiSparseConfig)  # residency: host tier and pressure policy
     seed: int = 0  # seeds requests that bring no seed of their own
     random_weights: bool = False  # shapes-only run: seeded random init instead of loading weights
+    # Ranks the model is split over (heads, MLP features); each holds a full replica of the KV pool.
+    tensor_parallel_size: int = 1
+    # How ranks run when tensor_parallel_size > 1: "mp" spawned processes (no Ray needed, no nested
+    # placement groups) or "ray" actors in the replica's placement group (the Serve path). One rank
+    # always runs in the engine's own process.
+    executor: ExecutorKind = "mp"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -41,6 +48,10 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be auto, float32, bf16 or fp8, got {self.kv_dtype!r}")
         if self.num_gpu_pages is not None and self.num_gpu_pages < 1:
             raise ValueError("num_gpu_pages must be positive")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        if self.executor not in ("mp", "ray"):
+            raise ValueError(f"executor must be mp or ray, got {self.executor!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

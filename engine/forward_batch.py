@@ -1,18 +1,20 @@
 """What one forward pass needs to know about its batch: flattened tokens and page tables.
 
-Built by the model runner from the scheduler's decision, consumed by attention.
-Tokens of all requests are flattened into one sequence of T rows; `req_of_row`
-maps each row to its request in the batch.
+Built on each tensor-parallel rank from the driver's `StepInput` (the same
+host data on every rank), consumed by attention. Tokens of all requests are
+flattened into one sequence of T rows; `req_of_row` maps each row to its
+request in the batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from residency.manager import ResidencyManager
+from engine.kv_layout import KVLayout
+from engine.parallel.rank_residency import RankResidency
+from engine.parallel.step import NonResidentSpec, StepInput
 
 
 @dataclass
@@ -33,9 +35,34 @@ class ForwardBatch:
     request_ids: list[str]  # per request: its id (names per-request state of attention ops)
     page_size: int
     indexer_tokens_per_page: int
-    nonresident: dict[int, Any] = field(default_factory=dict)  # batch index -> request with host-only pages
-    residency: ResidencyManager | None = None
+    nonresident: dict[int, NonResidentSpec] = field(default_factory=dict)  # batch index -> host-only page tables
+    residency: RankResidency | None = None  # this rank's hot tables (set when a host tier exists)
     step: int = 0  # LRU stamp of this step (grows every step)
+
+    @classmethod
+    def from_step(
+        cls, step: StepInput, layout: KVLayout, device: torch.device, residency: RankResidency | None
+    ) -> ForwardBatch:
+        """This rank's batch: the step's host data on `device`."""
+        return cls(
+            input_ids=step.input_ids.to(device),
+            positions=step.positions.to(device),
+            req_of_row=step.req_of_row.to(device),
+            mla_write_slots=step.mla_write_slots.to(device),
+            indexer_write_slots=step.indexer_write_slots.to(device),
+            mla_page_table=step.mla_page_table.to(device, torch.long),
+            indexer_page_table=step.indexer_page_table.to(device, torch.long),
+            context_lens=torch.tensor(step.context_lens, dtype=torch.long, device=device),
+            logits_rows=step.logits_rows.to(device),
+            row_ranges=list(step.row_ranges),
+            context_lens_host=list(step.context_lens),
+            request_ids=list(step.request_ids),
+            page_size=layout.page_size,
+            indexer_tokens_per_page=layout.indexer_tokens_per_page,
+            nonresident=step.nonresident,
+            residency=residency,
+            step=step.step,
+        )
 
     @property
     def num_rows(self) -> int:
@@ -51,9 +78,10 @@ class ForwardBatch:
         """KV slots of the chosen positions [T, K]: in place for resident pages, hot slots otherwise."""
         rows = torch.arange(self.num_rows, device=positions.device)
         slots = self.mla_slots(rows, positions)
-        for b, req in self.nonresident.items():
+        for b, spec in self.nonresident.items():
             start, end = self.row_ranges[b]
-            slots[start:end] = self.residency.resolve_rows(req, group, positions[start:end], lens[start:end], self.step)
+            span = slice(start, end)
+            slots[span] = self.residency.resolve_rows(spec, group, positions[span], lens[span], self.step)
         return slots
 
     def indexer_slots(self, req: int, num_tokens: int) -> torch.Tensor:

@@ -120,13 +120,15 @@ class KVCacheManager:
             host.cache.acquire(hp)
         req.host_pages = [None] * len(req.mla_pages) + [hp for _, hp in found]
         req.mla_pages += [None] * len(found)
+        loads: list[tuple[int, int]] = []  # (host page, GPU page) of indexer pages found only on host
         for gpu, hp in idx_found:
             if gpu is not None:
                 self.cache.acquire(gpu)
             else:
                 [gpu] = self.cache.allocate(1, PageUse.INDEXER)
-                self.residency.gpu_pool[gpu] = host.data[hp].to(self.residency.gpu_pool.device)
+                loads.append((hp, gpu))
             req.indexer_pages.append(gpu)
+        self.residency.load_pages([hp for hp, _ in loads], [gpu for _, gpu in loads])
         self.residency.lease_hot(req)
 
     def allocate(self, req: Request, num_tokens: int) -> bool:

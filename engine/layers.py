@@ -1,6 +1,9 @@
 """Building blocks of GLM-MoE-DSA that hold no KV state: norms, rotary embedding, MLPs, MoE.
 
 Parameter names follow the published checkpoints so a state dict loads by name.
+Under tensor parallelism an MLP holds a slice of the intermediate features and
+returns a partial output (engine/parallel/sharding.py); the decoder layer sums
+the ranks' partials.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import ModelConfig
+from engine.parallel.tensor_parallel import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -59,7 +63,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
 
 
 class MLP(nn.Module):
-    """SwiGLU MLP: the dense layers, each routed expert and the shared expert."""
+    """SwiGLU MLP: the dense layers, each routed expert and the shared expert.
+
+    `intermediate` is this rank's share; with several ranks the output is partial.
+    """
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -99,15 +106,18 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts plus the shared expert."""
+    """Routed experts plus the shared expert.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    The router is replicated, so every rank picks the same experts for a token;
+    each rank computes its slice of every picked expert (tensor parallel experts).
+    """
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(
-            MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.n_routed_experts)
-        )
-        self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        expert = tp.local(cfg.moe_intermediate_size, "moe_intermediate_size")
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, expert) for _ in range(cfg.n_routed_experts))
+        self.shared_experts = MLP(cfg.hidden_size, expert * cfg.n_shared_experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

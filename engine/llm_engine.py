@@ -2,7 +2,11 @@
 
 One `step()` = schedule, forward, sample, apply stop conditions, free what
 finished. Everything is single-threaded here; `AsyncEngine` drives it from a
-background thread.
+background thread. This process is the replica's driver: it owns scheduling,
+page accounting and residency decisions, and runs the model through an
+executor (engine/parallel/) on one rank in this process or on
+`tensor_parallel_size` ranks in worker processes. A failed rank makes `step()`
+raise `WorkerError`, which ends the async loop and marks the replica unhealthy.
 """
 
 from __future__ import annotations
@@ -22,13 +26,16 @@ from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
 from engine.memory_plan import GIB, MemoryBudget, num_gpu_pages
 from engine.model_runner import ModelRunner
+from engine.parallel.executor import make_executor
+from engine.parallel.sharding import check_shardable
+from engine.parallel.worker import WorkerSpec
 from engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 from residency.config import HiSparseConfig
 from residency.host_pool import HostPool
-from residency.manager import GroupGeometry, ResidencyManager, StateCounter
+from residency.manager import ResidencyManager, StateCounter
 from residency.policies import make_policy
 
 logger = logging.getLogger(__name__)
@@ -70,16 +77,28 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.layout = KVLayout.for_model(self.model_config, config.kv_format)
         self.device = torch.device(config.device)
-        self.runner = ModelRunner(
-            self.model_config,
-            self.layout,
-            config.torch_dtype,
-            self.device,
-            config.model,
+        check_shardable(self.model_config, config.tensor_parallel_size)
+        spec = WorkerSpec(
+            model_dir=config.model,
+            dtype=config.torch_dtype,
+            kv_format=config.kv_format,
+            device_type=self.device.type,
+            tp_size=config.tensor_parallel_size,
             random_seed=config.seed if config.random_weights else None,
         )
+        self.executor = make_executor(spec, config.executor, self.device, config.max_num_seqs,
+                                      self.model_config.vocab_size)
+        try:
+            self._build(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        """The driver's state around the ranks: pool accounting, residency, scheduler."""
+        self.runner = ModelRunner(self.executor, self.layout)
         num_pages = config.num_gpu_pages or self._plan_gpu_pages()
-        self.runner.allocate_kv_pool(num_pages)
+        self.executor.init_kv_pool(num_pages)
         self.kv = KVCacheManager(self.layout, num_pages, config.enable_prefix_cache)
         self.residency = self._build_residency(config.hisparse)
         self.kv.residency = self.runner.residency = self.residency
@@ -96,13 +115,15 @@ class LLMEngine:
 
     def _plan_gpu_pages(self) -> int:
         """Pool size: on a GPU what `gpu_memory_utilization` leaves after the loaded weights and the
-        activation reserve; on a CPU `kv_cache_gib`."""
+        activation reserve, on the fullest rank (every rank holds the whole pool); on a CPU `kv_cache_gib`."""
         config = self.config
         if self.device.type != "cuda":
             return max(1, int(config.kv_cache_gib * GIB) // self.layout.page_bytes)
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = MemoryBudget(total, config.gpu_memory_utilization, total - free, int(config.activation_reserve_gib * GIB))
-        pages = num_gpu_pages(budget, self.layout)
+        reserve = int(config.activation_reserve_gib * GIB)
+        pages = min(
+            num_gpu_pages(MemoryBudget(total, config.gpu_memory_utilization, total - free, reserve), self.layout)
+            for free, total in self.executor.memory_info()
+        )
         if pages < 1:
             raise ValueError("no GPU memory left for KV pages: lower activation_reserve_gib or raise utilization")
         return pages
@@ -113,11 +134,9 @@ class LLMEngine:
         host_pages = int(hs.host_pool_gib * 2**30) // self.layout.page_bytes
         if host_pages < 1:
             raise ValueError(f"host_pool_gib={hs.host_pool_gib} holds no {self.layout.page_bytes}-byte page")
-        host = HostPool(host_pages, self.layout.page_bytes, pin=self.device.type == "cuda")
-        groups = range(len(self.layout.group_sizes))
-        geometry = GroupGeometry(tuple(self.layout.group_offset(g) for g in groups), self.layout.group_run_bytes)
-        return ResidencyManager(hs, self.kv.cache, self.runner.kv_pool, host, geometry,
-                                self.model_config.index_topk, self.layout.indexer_tokens_per_page)
+        host = HostPool(self.executor.create_host_pool(host_pages, self.layout.page_bytes))
+        return ResidencyManager(hs, self.kv.cache, self.executor, host, self.model_config.index_topk,
+                                self.layout.indexer_tokens_per_page)
 
     # --- submission -----------------------------------------------------------------
 
@@ -151,7 +170,7 @@ class LLMEngine:
         seed = params.seed
         if seed is None:
             seed, self._seed_counter = self._seed_counter, self._seed_counter + 1
-        generator = torch.Generator(device=self.device).manual_seed(seed)
+        generator = torch.Generator(device=self.executor.logits_device).manual_seed(seed)
         self._requests[request_id] = req
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
         self._text[request_id] = _TextState(detok, generator=generator)
@@ -279,9 +298,22 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
         }
 
+    def check_health(self) -> None:
+        """Raises `WorkerError` if a rank of this replica is gone (for health checks between steps)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the ranks' worker processes (nothing to stop with one rank)."""
+        self.executor.shutdown()
+
     def check_integrity(self) -> None:
-        """Accounting check used by tests after each step."""
+        """Accounting check used by tests after each step; also checks that every rank holds the
+        hot leases the driver granted, with identical LRU tables."""
         self.kv.check_integrity()
+        leased = {r.request_id for r in self._requests.values() if r.hot is not None}
+        digests = self.executor.lease_digests()
+        assert all(set(d) == leased for d in digests), "ranks' hot leases differ from the driver's"
+        assert all(d == digests[0] for d in digests), "ranks' hot-buffer LRU tables diverged"
         held = {p for r in self.scheduler.running for p in r.mla_pages + r.indexer_pages if p is not None}
         assert len(held) <= self.kv.pool.num_used(), "requests hold more pages than are in use"
         for r in self.scheduler.waiting:

@@ -4,6 +4,10 @@ Module and parameter names match the published checkpoints
 (`model.layers.N.self_attn.q_a_proj.weight`, `...mlp.experts.E.gate_proj.weight`)
 so weights load by name. Layers beyond `num_hidden_layers` (the MTP head) are
 not built.
+
+Tensor parallelism (engine/parallel/sharding.py) adds exactly two all-reduces
+per decoder layer: after attention and after the MLP block. Every rank runs
+the layers; only the rank that returns logits needs `lm_head`.
 """
 
 from __future__ import annotations
@@ -17,15 +21,20 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
 from engine.layers import MLP, MoE, RMSNorm, RotaryEmbedding
 from engine.model_config import ModelConfig
+from engine.parallel.tensor_parallel import TensorParallel
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg, layer)
-        self.mlp: nn.Module = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = MLAAttention(cfg, layer, tp)
+        if cfg.is_moe_layer(layer):
+            self.mlp: nn.Module = MoE(cfg, tp)
+        else:
+            self.mlp = MLP(cfg.hidden_size, tp.local(cfg.intermediate_size, "intermediate_size"))
 
     def forward(
         self,
@@ -39,25 +48,26 @@ class DecoderLayer(nn.Module):
         shared: Selection | None,
     ) -> tuple[torch.Tensor, Selection]:
         attn, selection = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_pool, layout, ops, shared)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), selection
+        x = x + self.tp.all_reduce(attn)
+        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x))), selection
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
     """The whole model; `forward` returns logits of the batch's sampled rows only."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg)
+        self.tp = tp or TensorParallel()
+        self.model = Backbone(cfg, self.tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta)
 
@@ -65,10 +75,18 @@ class GlmMoeDsaForCausalLM(nn.Module):
     def forward(
         self, batch: ForwardBatch, kv_pool: torch.Tensor, layout: KVLayout, ops: AttentionOps
     ) -> torch.Tensor:
+        """float32 logits [S, V] of the batch's sampled rows."""
+        return self.lm_head(self.hidden_states(batch, kv_pool, layout, ops)).float()
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, batch: ForwardBatch, kv_pool: torch.Tensor, layout: KVLayout, ops: AttentionOps
+    ) -> torch.Tensor:
+        """Runs every layer (writing the batch's KV rows) and returns the final normed hidden
+        states [S, hidden] of the sampled rows; ranks that return no logits stop here."""
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
         selection: Selection | None = None
         for layer in self.model.layers:
             x, selection = layer(x, cos, sin, batch, kv_pool, layout, ops, selection)
-        hidden = self.model.norm(x[batch.logits_rows])
-        return self.lm_head(hidden).float()
+        return self.model.norm(x[batch.logits_rows])

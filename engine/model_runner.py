@@ -1,66 +1,37 @@
-"""Model runner: owns the model, the KV page pool tensor and the attention ops.
+"""Model runner: the driver's side of a forward step.
 
-Turns a scheduler decision into a `ForwardBatch` (flattened rows, write slots,
-page tables), runs the forward and returns the logits of the rows that sample.
+Turns a scheduler decision into a `StepInput` (flattened rows, write slots,
+page tables, the residency page tables of requests with host-only pages) and
+runs it on the replica's ranks through the executor, which returns rank 0's
+logits of the rows that sample. The model, the KV pool and the attention ops
+live with the ranks (engine/parallel/worker.py): in this process with one
+rank, in worker processes with several.
 """
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-
 import torch
 
-from engine.attention_ops import AttentionOps, TorchAttentionOps
-from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
-from engine.model import GlmMoeDsaForCausalLM
-from engine.model_config import ModelConfig
+from engine.parallel.executor import Executor
+from engine.parallel.step import NonResidentSpec, StepInput
+from engine.request import Request
 from engine.scheduler import ScheduledRequest
-from engine.weights import load_weights, random_init
 from residency.manager import ResidencyManager
-
-logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        layout: KVLayout,
-        dtype: torch.dtype,
-        device: torch.device,
-        model_dir: str | Path | None,
-        random_seed: int | None = None,
-    ) -> None:
-        self.cfg, self.layout, self.dtype, self.device = cfg, layout, dtype, device
-        with torch.device(device):
-            self.model = GlmMoeDsaForCausalLM(cfg).to(dtype)
-        # The router's correction bias and the indexer's head weights stay in float32, as published.
-        for layer in self.model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
-            if layer.self_attn.indexer is not None:
-                layer.self_attn.indexer.weights_proj.float()
-        if random_seed is not None:
-            random_init(self.model, random_seed)
-        else:
-            load_weights(self.model, model_dir, dtype)
-        self.model.eval()
-        self.kv_pool = torch.empty(0, layout.page_bytes, dtype=torch.uint8, device=device)
-        self.ops: AttentionOps = TorchAttentionOps(layout)
+    def __init__(self, executor: Executor, layout: KVLayout) -> None:
+        self.executor, self.layout = executor, layout
         self.residency: ResidencyManager | None = None  # set by the engine when a host tier exists
         self.num_steps = 0
 
-    def allocate_kv_pool(self, num_pages: int) -> None:
-        """The one GPU page pool; sized after the weights so the free memory is known."""
-        self.kv_pool = torch.zeros(num_pages, self.layout.page_bytes, dtype=torch.uint8, device=self.device)
-        logger.info(
-            "KV pool: %d pages x %.2f MiB (%s rows)", num_pages, self.layout.page_bytes / 2**20,
-            self.layout.kv_format,
-        )
+    @property
+    def kv_pool(self) -> torch.Tensor:
+        """The page pool tensor; only a single-rank replica has it in this process."""
+        return self.executor.kv_pool
 
-    def prepare(self, scheduled: list[ScheduledRequest]) -> ForwardBatch:
+    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInput:
         self.num_steps += 1
         ids: list[int] = []
         positions: list[int] = []
@@ -84,39 +55,46 @@ class ModelRunner:
         idx_table = _pad_table([r.indexer_pages for r in reqs])
         pos = torch.tensor(positions, dtype=torch.long)
         rows_req = torch.tensor(req_of_row, dtype=torch.long)
-        mla_slots = mla_table[rows_req, pos // page] * page + pos % page
-        idx_slots = idx_table[rows_req, pos // idx_page] * idx_page + pos % idx_page
-        dev = self.device
-        return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=pos.to(dev),
-            req_of_row=rows_req.to(dev),
-            mla_write_slots=mla_slots.to(dev),
-            indexer_write_slots=idx_slots.to(dev),
-            mla_page_table=mla_table.to(dev),
-            indexer_page_table=idx_table.to(dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.long, device=dev),
-            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
-            page_size=page,
-            indexer_tokens_per_page=idx_page,
-            row_ranges=row_ranges,
-            context_lens_host=ctx_lens,
-            request_ids=[r.request_id for r in reqs],
-            nonresident={b: r for b, r in enumerate(reqs) if r.hot is not None},
-            residency=self.residency,
+        return StepInput(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=pos,
+            req_of_row=rows_req,
+            mla_write_slots=mla_table[rows_req, pos // page] * page + pos % page,
+            indexer_write_slots=idx_table[rows_req, pos // idx_page] * idx_page + pos % idx_page,
+            mla_page_table=mla_table,
+            indexer_page_table=idx_table,
+            context_lens=tuple(ctx_lens),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long),
+            row_ranges=tuple(row_ranges),
+            request_ids=tuple(r.request_id for r in reqs),
+            nonresident={b: _nonresident(r) for b, r in enumerate(reqs) if r.hot is not None},
             step=self.num_steps,
         )
 
     def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """Runs one step; returns float32 logits [S, V] for the requests whose chunk completes."""
-        batch = self.prepare(scheduled)
-        return self.model(batch, self.kv_pool, self.layout, self.ops)
+        """Runs one step on every rank; returns float32 logits [S, V] for the requests whose chunk completes."""
+        out = self.executor.execute_model(self.prepare(scheduled))
+        if self.residency is not None:
+            self.residency.record_resolves(out.resolve)
+        return out.logits
+
+
+def _nonresident(req: Request) -> NonResidentSpec:
+    """Where each logical page of a request with host-only pages lives, for the ranks' resolves."""
+    ResidencyManager.align(req)
+    return NonResidentSpec(
+        request_id=req.request_id,
+        gpu_pages=torch.tensor([-1 if p is None else p for p in req.mla_pages], dtype=torch.int32),
+        host_pages=torch.tensor([-1 if p is None else p for p in req.host_pages], dtype=torch.int32),
+        num_tokens=req.num_tokens,
+    )
 
 
 def _pad_table(tables: list[list[int | None]]) -> torch.Tensor:
-    """Page tables as one tensor; host-only pages read as page 0 (their slots come from the resolve)."""
+    """Page tables as one int32 tensor (half the bytes sent to every rank); host-only pages read as
+    page 0 (their slots come from the resolve)."""
     width = max(1, max(len(t) for t in tables))
-    out = torch.zeros(len(tables), width, dtype=torch.long)
+    out = torch.zeros(len(tables), width, dtype=torch.int32)
     for i, t in enumerate(tables):
-        out[i, : len(t)] = torch.tensor([0 if p is None else p for p in t], dtype=torch.long)
+        out[i, : len(t)] = torch.tensor([0 if p is None else p for p in t], dtype=torch.int32)
     return out

@@ -6,6 +6,13 @@ blocks) are dequantised to the compute dtype. Experts stored fused
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) are split
 into the per-expert modules. Layers past `num_hidden_layers` (MTP) are skipped.
 Nothing here touches the network.
+
+A tensor-parallel rank reads only its slice of each split tensor
+(engine/parallel/sharding.py) through safetensors slices, so eight ranks read
+the checkpoint about once between them, not eight times; FP8 slices are read
+on whole 128-blocks and trimmed after dequantisation. The random init draws
+the full tensors and keeps the rank's slice, so a random model is the same
+model at every tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.model_config import ModelConfig
+from engine.parallel.sharding import shard_dim
+from engine.parallel.tensor_parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +56,11 @@ def _shard_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) in the model's naming, dequantised and split as needed."""
+def iter_checkpoint(
+    model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, tp: TensorParallel | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) in the model's naming, dequantised, split per expert and cut to `tp`'s slice."""
+    tp = tp or TensorParallel()
     for path in _shard_files(model_dir):
         with safe_open(str(path), framework="pt") as shard:
             keys = set(shard.keys())
@@ -56,15 +68,41 @@ def iter_checkpoint(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype) -> It
                 m = _LAYER_RE.match(name)
                 if (m and int(m.group(1)) >= cfg.num_hidden_layers) or name.endswith("weight_scale_inv"):
                     continue
+                fused = _FUSED_RE.match(name.removesuffix(".weight"))
+                if fused:  # small transformers-saved checkpoints: read whole, then split
+                    for expert_name, t in _split_fused_experts(fused.group(1), fused.group(2), shard.get_tensor(name)):
+                        dim = shard_dim(expert_name)
+                        yield expert_name, t if dim is None else tp.shard(t, dim)
+                    continue
+                dim = shard_dim(name)
+                if dim is not None and tp.size > 1:
+                    yield name, _read_slice(shard, name, keys, dim, tp, dtype)
+                    continue
                 tensor = shard.get_tensor(name)
                 scale_name = name + "_scale_inv"
                 if scale_name in keys:
                     tensor = dequantize_fp8_block(tensor, shard.get_tensor(scale_name), dtype)
-                fused = _FUSED_RE.match(name.removesuffix(".weight"))
-                if fused:
-                    yield from _split_fused_experts(fused.group(1), fused.group(2), tensor)
-                else:
-                    yield name, tensor
+                yield name, tensor
+
+
+def _read_slice(
+    shard, name: str, keys: set[str], dim: int, tp: TensorParallel, dtype: torch.dtype  # noqa: ANN001
+) -> torch.Tensor:
+    """Reads rank `tp.rank`'s block of a 2-D tensor along `dim` from an open safetensors `shard`,
+    without reading the rest."""
+    sliced = shard.get_slice(name)
+    size = sliced.get_shape()[dim]
+    n = tp.local(size, name)
+    lo, hi = tp.rank * n, (tp.rank + 1) * n
+    scale_name = name + "_scale_inv"
+    if scale_name not in keys:
+        return sliced[lo:hi] if dim == 0 else sliced[:, lo:hi]
+    first, last = lo // FP8_BLOCK, -(-hi // FP8_BLOCK)  # the scale blocks covering the slice
+    start, stop = first * FP8_BLOCK, min(last * FP8_BLOCK, size)
+    weight = sliced[start:stop] if dim == 0 else sliced[:, start:stop]
+    scales = shard.get_slice(scale_name)
+    scale = scales[first:last] if dim == 0 else scales[:, first:last]
+    return dequantize_fp8_block(weight, scale, dtype).narrow(dim, lo - start, n)
 
 
 def _split_fused_experts(prefix: str, kind: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -78,12 +116,13 @@ def _split_fused_experts(prefix: str, kind: str, tensor: torch.Tensor) -> Iterat
 
 
 def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) -> None:
-    """Copies every checkpoint tensor into `model`; fails on missing or unexpected names."""
+    """Copies every checkpoint tensor (the rank's slice of split ones) into `model`; fails on
+    missing or unexpected names."""
     cfg: ModelConfig = model.cfg  # type: ignore[assignment]
     params = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     seen: set[str] = set()
-    for name, tensor in iter_checkpoint(Path(model_dir), cfg, dtype):
+    for name, tensor in iter_checkpoint(Path(model_dir), cfg, dtype, model.tp):
         if name not in params:
             raise KeyError(f"checkpoint tensor {name} has no place in the model")
         target = params[name]
@@ -103,7 +142,9 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
 
 
 def random_init(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Seeded shapes-only init: normal weights, unit norms, zero biases."""
+    """Seeded shapes-only init: normal weights, unit norms, zero biases; a split parameter gets
+    its slice of the full tensor, so every tensor-parallel size builds the same model."""
+    tp: TensorParallel = model.tp  # type: ignore[assignment]
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -112,4 +153,9 @@ def random_init(model: nn.Module, seed: int, std: float = 0.02) -> None:
             elif name.endswith(".bias"):
                 p.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                dim = shard_dim(name)
+                shape = list(p.shape)
+                if dim is not None:
+                    shape[dim] *= tp.size
+                full = torch.randn(shape, generator=gen) * std
+                p.copy_(full if dim is None else tp.shard(full, dim))

@@ -1,10 +1,14 @@
 """Hot buffers: GPU slots holding the rows of host-only tokens a request's indexer selects.
 
 A lease is a few pages of the GPU pool (use HOT) with the MLA page layout, so a
-hot slot is addressed like any KV slot. Per IndexShare group an LRU table maps
-slot -> token position (`slot_pos`, last use in `slot_stamp`) and back
-(`pos_to_hot`, grown with the request). Returned to the pool when the request
-finishes or is promoted back to fully resident.
+hot slot is addressed like any KV slot. The driver's `HotLease` records which
+pages a request holds (page accounting); the LRU state lives in `HotTables`,
+one copy per tensor-parallel rank next to that rank's pool, because the resolve
+updates it on the device during the forward. Per IndexShare group the tables
+map slot -> token position (`slot_pos`, last use in `slot_stamp`) and back
+(`pos_to_hot`, grown with the request). Every rank runs the same resolve on the
+same inputs, so the copies stay identical. Returned to the pool when the
+request finishes or is promoted back to fully resident.
 """
 
 from __future__ import annotations
@@ -16,29 +20,36 @@ import torch
 PAGE_SIZE = 64
 
 
-@dataclass
+@dataclass(frozen=True)
 class HotLease:
-    pages: list[int]
+    """The GPU pages a request's hot slots live in."""
+
+    pages: tuple[int, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.pages) * PAGE_SIZE
+
+
+@dataclass
+class HotTables:
+    """One rank's LRU tables of one lease."""
+
     hot_slots: torch.Tensor  # [R] int32 physical slot of each hot slot
     slot_pos: torch.Tensor  # [G, R] int32 token held by each slot, -1 when empty
     slot_stamp: torch.Tensor  # [G, R] int64 step of last use
     pos_to_hot: torch.Tensor  # [G, capacity] int32 hot slot of each position, -1 when none
 
     @classmethod
-    def new(cls, pages: list[int], num_groups: int, capacity: int, device: torch.device) -> "HotLease":
+    def new(cls, pages: tuple[int, ...], num_groups: int, capacity: int, device: torch.device) -> "HotTables":
         slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1)
         rows = slots.numel()
         return cls(
-            pages=pages,
             hot_slots=slots.to(device=device, dtype=torch.int32),
             slot_pos=torch.full((num_groups, rows), -1, dtype=torch.int32, device=device),
             slot_stamp=torch.zeros((num_groups, rows), dtype=torch.int64, device=device),
             pos_to_hot=torch.full((num_groups, capacity), -1, dtype=torch.int32, device=device),
         )
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.hot_slots.numel())
 
     def ensure_capacity(self, num_tokens: int) -> None:
         """Grows the reverse map to cover positions below `num_tokens`."""

@@ -6,17 +6,21 @@ or both (`mla_pages[i]` / `host_pages[i]`, None where absent). Derived state:
 full (every page on GPU), mixed (some pages host-only, hot buffer leased),
 none (every completed page host-only). Indexer pages of running requests stay
 on the GPU. Every transition keeps both pools' reference counts exact.
+
+Decisions are made here, once per replica; the bytes move through a
+`PoolExecutor`: the engine's executor, which has every tensor-parallel rank
+copy pages in its own replica of the GPU pool (mirrors into the one shared
+host pool are done by one rank) and keep its own copy of each request's
+hot-buffer LRU tables, keyed by request id, opened and closed here.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
-from kernels import page_mirror, resolve
 from residency.config import HiSparseConfig
 from residency.hot_buffer import PAGE_SIZE, HotLease
 from residency.host_pool import HostPool
@@ -40,6 +44,46 @@ class PagedRequest(Protocol):
     def num_tokens(self) -> int: ...
 
 
+class CopyTicket(Protocol):
+    """Completion of an asynchronous page copy."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
+class PoolExecutor(Protocol):
+    """What residency asks of the ranks that hold the replica's GPU pools."""
+
+    def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket:
+        """Whole GPU pages -> host pages, asynchronously."""
+        ...
+
+    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
+        """Whole host pages -> GPU pages, on every rank before its next step."""
+        ...
+
+    def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
+        """Every rank creates the request's hot tables (reverse map covering `capacity` positions)."""
+        ...
+
+    def close_lease(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class ResolveCounts:
+    """What resolves did: selected rows of host-only pages found hot, or loaded (misses)."""
+
+    hot_hits: int = 0
+    hot_misses: int = 0  # one miss = one token's run of one IndexShare group copied host -> hot slot
+    bytes_h2d: int = 0
+
+    def __add__(self, other: ResolveCounts) -> ResolveCounts:
+        return ResolveCounts(
+            self.hot_hits + other.hot_hits, self.hot_misses + other.hot_misses, self.bytes_h2d + other.bytes_h2d
+        )
+
+
 @dataclass
 class ResidencyStats:
     pages_mirrored: int = 0
@@ -58,15 +102,7 @@ class ResidencyStats:
 class _PendingMirror:
     request: PagedRequest
     entries: list[tuple[PageUse, int, int, bytes]]  # (use, logical index, host page, hash)
-    event: torch.cuda.Event | None
-
-
-@dataclass
-class GroupGeometry:
-    """Where each IndexShare group's run sits in a page."""
-
-    offsets: tuple[int, ...]
-    run_bytes: tuple[int, ...]
+    ticket: CopyTicket | None
 
 
 class ResidencyManager:
@@ -74,22 +110,19 @@ class ResidencyManager:
         self,
         config: HiSparseConfig,
         gpu_cache: PrefixCache,
-        gpu_pool: torch.Tensor,
+        executor: PoolExecutor,
         host: HostPool,
-        geometry: GroupGeometry,
         index_topk: int,
         indexer_tokens_per_page: int,
     ) -> None:
         self.config = config
-        self.gpu_cache, self.gpu_pool, self.host = gpu_cache, gpu_pool, host
-        self.geometry = geometry
+        self.gpu_cache, self.executor, self.host = gpu_cache, executor, host
+        self.page_bytes = host.data.shape[1]
         self.hot_rows = config.hot_rows_for(index_topk)
         self.hot_pages_per_lease = self.hot_rows // PAGE_SIZE
         self.indexer_tokens_per_page = indexer_tokens_per_page
         self.stats = ResidencyStats()
         self._pending: list[_PendingMirror] = []
-        self._stream = torch.cuda.Stream(gpu_pool.device) if gpu_pool.is_cuda else None
-        self._resolve = resolve.resolve_group if gpu_pool.is_cuda else resolve.resolve_group_reference
 
     # --- states --------------------------------------------------------------------
 
@@ -137,10 +170,10 @@ class ResidencyManager:
                 self._pending.append(_PendingMirror(req, entries, None))
         if not gpu_ids:
             return
-        event = page_mirror.mirror_pages(self.gpu_pool, self.host.data, gpu_ids, host_ids, self._stream)
+        ticket = self.executor.mirror_pages(gpu_ids, host_ids)
         for pending in self._pending:
-            if pending.event is None:
-                pending.event = event
+            if pending.ticket is None:
+                pending.ticket = ticket
         self.stats.pages_mirrored += len(gpu_ids)
         self.poll()
 
@@ -165,11 +198,11 @@ class ResidencyManager:
         """Completes finished mirrors: their host copies become usable and findable."""
         still: list[_PendingMirror] = []
         for pending in self._pending:
-            if pending.event is not None and not wait and not pending.event.query():
+            if pending.ticket is not None and not wait and not pending.ticket.done():
                 still.append(pending)
                 continue
-            if pending.event is not None:
-                pending.event.synchronize()
+            if pending.ticket is not None:
+                pending.ticket.wait()
             for use, index, host_page, key in pending.entries:
                 self._set_host(pending.request, use, index, host_page)
                 self.host.cache.insert(host_page, use, key)
@@ -205,7 +238,8 @@ class ResidencyManager:
 
     def lease_hot(self, req: PagedRequest) -> int:
         pages = self.gpu_cache.allocate(self.hot_pages_per_lease, PageUse.HOT)
-        req.hot = HotLease.new(pages, len(self.geometry.offsets), req.num_tokens + PAGE_SIZE, self.gpu_pool.device)
+        req.hot = HotLease(tuple(pages))
+        self.executor.open_lease(req.request_id, pages, req.num_tokens + PAGE_SIZE)
         return len(pages)
 
     def promotion_cost(self, req: PagedRequest) -> int:
@@ -218,20 +252,26 @@ class ResidencyManager:
             return False
         if missing:
             fresh = self.gpu_cache.allocate(len(missing), PageUse.MLA)
-            src = torch.tensor([req.host_pages[i] for i in missing], dtype=torch.long)
-            self.gpu_pool[torch.tensor(fresh, device=self.gpu_pool.device)] = self.host.data[src].to(self.gpu_pool.device)
+            self.load_pages([req.host_pages[i] for i in missing], fresh)
             for i, page in zip(missing, fresh):
                 req.mla_pages[i] = page
             self.stats.pages_promoted += len(missing)
-            self.stats.bytes_h2d += len(missing) * self.gpu_pool.shape[1]
         self.return_hot(req)
         return True
+
+    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
+        """Copies host pages into GPU pages on every rank (promotion, swap-in, host prefix reuse)."""
+        if not gpu_ids:
+            return
+        self.executor.load_pages(host_ids, gpu_ids)
+        self.stats.bytes_h2d += len(gpu_ids) * self.page_bytes
 
     def return_hot(self, req: PagedRequest) -> None:
         if req.hot is not None:
             for page in req.hot.pages:
                 self.gpu_cache.release(page)
             req.hot = None
+            self.executor.close_lease(req.request_id)
 
     # --- whole-request swap (the offload baseline) ----------------------------------
 
@@ -244,9 +284,7 @@ class ResidencyManager:
             return False
         host_ids = [self.host.cache.allocate(1, use)[0] for use, _, _ in todo]
         if todo:
-            event = page_mirror.mirror_pages(self.gpu_pool, self.host.data, [t[2] for t in todo], host_ids, self._stream)
-            if event is not None:
-                event.synchronize()
+            self.executor.mirror_pages([t[2] for t in todo], host_ids).wait()
         for (use, index, _), host_page in zip(todo, host_ids):
             self._set_host(req, use, index, host_page)
         for page in req.mla_pages + req.indexer_pages:
@@ -266,51 +304,22 @@ class ResidencyManager:
             return False
         mla = self.gpu_cache.allocate(len(req.host_pages), PageUse.MLA)
         idx = self.gpu_cache.allocate(len(req.host_indexer_pages), PageUse.INDEXER)
-        src = torch.tensor(req.host_pages + req.host_indexer_pages, dtype=torch.long)
-        dst = torch.tensor(mla + idx, dtype=torch.long, device=self.gpu_pool.device)
-        self.gpu_pool[dst] = self.host.data[src].to(self.gpu_pool.device)
+        self.load_pages(req.host_pages + req.host_indexer_pages, mla + idx)
         for page in req.host_pages + req.host_indexer_pages:
             self.host.cache.release(page)
         req.mla_pages, req.indexer_pages = mla, idx
         req.host_pages, req.host_indexer_pages = [None] * len(mla), [None] * len(idx)
         self.stats.pages_swapped_in += need
-        self.stats.bytes_h2d += need * self.gpu_pool.shape[1]
         return True
 
-    # --- lookups for non-resident tokens --------------------------------------------
+    # --- lookups for non-resident tokens (resolved on the ranks, in the forward) ------
 
-    def resolve_rows(self, req: PagedRequest, group: int, positions: torch.Tensor, lens: torch.Tensor,
-                     step: int) -> torch.Tensor:
-        """KV slots [n, K] for the top-K positions of `req`'s query rows, loading misses into its hot rows.
-
-        Rows are resolved one after another with the same step stamp, so rows of
-        one step never evict each other's hot slots (the scheduler keeps
-        rows x top-K within the hot rows).
-        """
-        lease = req.hot
-        assert lease is not None, "a request with host-only pages holds a hot lease"
-        lease.ensure_capacity(req.num_tokens)
-        self.align(req)
-        dev = self.gpu_pool.device
-        gpu = torch.tensor([-1 if p is None else p for p in req.mla_pages], dtype=torch.int32, device=dev)[None]
-        host = torch.tensor([-1 if p is None else p for p in req.host_pages], dtype=torch.int32, device=dev)[None]
-        out = torch.empty(positions.shape, dtype=torch.long, device=dev)
-        for r in range(positions.shape[0]):
-            result = self._resolve(
-                positions[r : r + 1].to(torch.int32), lens[r : r + 1].to(torch.int32), gpu, host,
-                lease.hot_slots[None], lease.slot_pos[group : group + 1], lease.slot_stamp[group : group + 1],
-                lease.pos_to_hot[group : group + 1], step, self.geometry.offsets[group],
-                self.geometry.run_bytes[group], self.gpu_pool, self.host.data,
-            )
-            out[r] = result.kv_slots[0].long().clamp(min=0)
-            misses = int(result.num_copied.sum())
-            valid = positions[r, : int(lens[r])]
-            non_resident = int((gpu[0, valid // PAGE_SIZE] < 0).sum())
-            self.stats.hot_misses += misses
-            self.stats.hot_hits += non_resident - misses
-            self.stats.rows_copied_h2d += misses
-            self.stats.bytes_h2d += misses * self.geometry.run_bytes[group]
-        return out
+    def record_resolves(self, counts: ResolveCounts) -> None:
+        """Adds what the ranks' resolves of one step did (they run in the forward, on the ranks)."""
+        self.stats.hot_hits += counts.hot_hits
+        self.stats.hot_misses += counts.hot_misses
+        self.stats.rows_copied_h2d += counts.hot_misses
+        self.stats.bytes_h2d += counts.bytes_h2d
 
     # --- release --------------------------------------------------------------------
 

@@ -1,0 +1,109 @@
+"""One rank's side of residency: it executes the page copies the driver decided and keeps the
+hot-buffer LRU tables of every leased request.
+
+The driver (residency/manager.py) decides which pages move where and which
+requests lease hot buffers; every rank carries those decisions out on its own
+replica of the KV pool. Page loads (promotion, swap-in, host prefix reuse) run
+on every rank; mirrors to the host pool run on one rank only (rank 0), because
+the host pool is one per replica and every rank's pool holds the same bytes.
+Each rank keeps its own `HotTables` per request id, created and dropped when
+the driver leases and returns a hot buffer; the resolve in the forward reads
+and updates them on this rank's device. Every rank runs the same resolves on
+the same inputs, so the tables, and what they load into the hot slots, stay
+identical across ranks (`digests` lets tests and integrity checks compare).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from engine.kv_layout import KVLayout
+from engine.parallel.step import NonResidentSpec
+from kernels import page_mirror, resolve
+from residency.hot_buffer import PAGE_SIZE, HotTables
+from residency.manager import ResolveCounts
+
+
+class RankResidency:
+    def __init__(self, layout: KVLayout, pool: torch.Tensor, host: torch.Tensor) -> None:
+        self.pool, self.host = pool, host
+        self.num_groups = len(layout.group_sizes)
+        self.group_offsets = tuple(layout.group_offset(g) for g in range(self.num_groups))
+        self.group_run_bytes = layout.group_run_bytes
+        self.tables: dict[str, HotTables] = {}
+        self._counts = ResolveCounts()
+        self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
+        self._resolve = resolve.resolve_group if pool.is_cuda else resolve.resolve_group_reference
+
+    # --- leases ----------------------------------------------------------------------
+
+    def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
+        if request_id in self.tables:
+            raise RuntimeError(f"request {request_id!r} already holds a hot lease on this rank")
+        self.tables[request_id] = HotTables.new(tuple(pages), self.num_groups, capacity, self.pool.device)
+
+    def close_lease(self, request_id: str) -> None:
+        del self.tables[request_id]
+
+    def digests(self) -> dict[str, str]:
+        """A hash of each lease's tables: equal across ranks when they resolved in lockstep."""
+        out = {}
+        for rid, t in self.tables.items():
+            h = hashlib.sha256()
+            for tensor in (t.hot_slots, t.slot_pos, t.slot_stamp, t.pos_to_hot):
+                h.update(tensor.cpu().numpy().tobytes())
+            out[rid] = h.hexdigest()
+        return out
+
+    # --- page copies -----------------------------------------------------------------
+
+    def mirror(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> torch.cuda.Event | None:
+        """Copies whole GPU pages to host pages on a side stream; the event marks completion (None: done)."""
+        return page_mirror.mirror_pages(self.pool, self.host, list(gpu_ids), list(host_ids), self._stream)
+
+    def load(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
+        """Copies whole host pages into GPU pages, in order with this rank's forward steps."""
+        if not gpu_ids:
+            return
+        dst = torch.tensor(list(gpu_ids), dtype=torch.long, device=self.pool.device)
+        self.pool[dst] = self.host[torch.tensor(list(host_ids), dtype=torch.long)].to(self.pool.device)
+
+    # --- lookups for non-resident tokens ----------------------------------------------
+
+    def resolve_rows(self, spec: NonResidentSpec, group: int, positions: torch.Tensor, lens: torch.Tensor,
+                     step: int) -> torch.Tensor:
+        """KV slots [n, K] for the top-K positions of one request's query rows, loading misses into its
+        hot rows.
+
+        Rows are resolved one after another with the same step stamp, so rows of
+        one step never evict each other's hot slots (the scheduler keeps
+        rows x top-K within the hot rows).
+        """
+        tables = self.tables[spec.request_id]
+        tables.ensure_capacity(spec.num_tokens)
+        dev = self.pool.device
+        gpu, host = spec.gpu_pages.to(dev)[None], spec.host_pages.to(dev)[None]
+        out = torch.empty(positions.shape, dtype=torch.long, device=dev)
+        hits = misses = 0
+        for r in range(positions.shape[0]):
+            result = self._resolve(
+                positions[r : r + 1].to(torch.int32), lens[r : r + 1].to(torch.int32), gpu, host,
+                tables.hot_slots[None], tables.slot_pos[group : group + 1], tables.slot_stamp[group : group + 1],
+                tables.pos_to_hot[group : group + 1], step, self.group_offsets[group],
+                self.group_run_bytes[group], self.pool, self.host,
+            )
+            out[r] = result.kv_slots[0].long().clamp(min=0)
+            copied = int(result.num_copied.sum())
+            valid = positions[r, : int(lens[r])]
+            misses += copied
+            hits += int((gpu[0, valid // PAGE_SIZE] < 0).sum()) - copied
+        self._counts += ResolveCounts(hits, misses, misses * self.group_run_bytes[group])
+        return out
+
+    def take_counts(self) -> ResolveCounts:
+        """The resolve counts since the last call."""
+        counts, self._counts = self._counts, ResolveCounts()
+        return counts

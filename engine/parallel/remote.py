@@ -1,0 +1,250 @@
+"""Ranks in other processes: the driver's side (`RemoteExecutor`) and the rank's side (`RemoteWorker`).
+
+The transport (multiprocessing pipes or Ray actor calls, in the subclasses)
+only has to deliver named calls to each rank in order, and bring back replies
+where the driver waits for them. Everything else is here and shared:
+
+- One-way calls (page loads, mirrors, lease changes) are not waited for; a
+  rank that fails on one reports it, and the driver raises at its next wait.
+- `execute_model` waits for every rank. Rank 0 writes the logits into a shared
+  host buffer (`max_num_seqs x vocab` float32) instead of sending them through
+  the transport.
+- Mirrors are done by rank 0 on its side stream, overlapping the next step;
+  rank 0 finishes them before it answers that step (or a `sync`), so a mirror
+  ticket is done once a later step returned.
+- Host pages are read by every rank (loads; resolves inside a step) but
+  written by rank 0 alone (mirrors). A host page the driver freed after a load
+  may be reused by a mirror before a slower rank has done that load, so when
+  loads were sent since the ranks last met (a step's collectives or a wait),
+  all ranks meet at a barrier before rank 0 writes the host pool. Reads inside
+  a step are fenced by the step's own all-reduces.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from abc import abstractmethod
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.parallel.executor import Executor, WorkerError
+from engine.parallel.shared_memory import SharedTensor, SharedTensorHandle
+from engine.parallel.step import StepInput, StepOutput
+from engine.parallel.worker import Worker, WorkerSpec
+from residency.manager import CopyTicket
+
+logger = logging.getLogger(__name__)
+
+Call = tuple[str, tuple[Any, ...]]  # (method of RemoteWorker, arguments)
+
+# A collective that waits this long means a peer is gone; the driver notices dead ranks much sooner.
+_COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+def rank_device(device_type: str, index: int) -> torch.device:
+    return torch.device(device_type, index) if device_type == "cuda" else torch.device("cpu")
+
+
+class RemoteWorker:
+    """A rank in a worker process: a `Worker` in a process group, driven by named calls."""
+
+    CALLS = frozenset({
+        "memory_info", "init_kv_pool", "attach_host_pool", "execute_model", "mirror_pages", "load_pages",
+        "open_lease", "close_lease", "lease_digests", "sync", "fence",
+    })
+
+    def __init__(self, spec: WorkerSpec, rank: int, device: torch.device, dist_url: str,
+                 logits: SharedTensorHandle) -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:  # ranks share the machine's cores; more threads each would only contend
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.tp_size))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=dist_url, rank=rank, world_size=spec.tp_size,
+                                timeout=_COLLECTIVE_TIMEOUT)
+        self.worker = Worker(spec, rank, device)
+        self.logits = logits.attach(pin=device.type == "cuda") if rank == 0 else None
+        self._mirrors: list[torch.cuda.Event] = []
+
+    def handle(self, method: str, args: tuple[Any, ...]) -> Any:  # noqa: ANN401 - per-call results
+        if method not in self.CALLS:
+            raise ValueError(f"unknown worker call {method!r}")
+        return getattr(self, method)(*args)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # --- calls -----------------------------------------------------------------------
+
+    def memory_info(self) -> tuple[int, int]:
+        return self.worker.memory_info()
+
+    def init_kv_pool(self, num_pages: int) -> None:
+        self.worker.init_kv_pool(num_pages)
+
+    def attach_host_pool(self, host: SharedTensorHandle) -> None:
+        self.worker.attach_host_pool(host.attach(pin=self.worker.device.type == "cuda"))
+
+    def execute_model(self, step: StepInput) -> StepOutput | None:
+        out = self.worker.execute_model(step)
+        if out.logits is None:
+            return None
+        self.logits[: step.num_logits].copy_(out.logits)
+        self.sync()
+        return StepOutput(None, out.resolve)
+
+    def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> None:
+        event = self.worker.mirror_pages(gpu_ids, host_ids)
+        if event is not None:
+            self._mirrors.append(event)
+
+    def sync(self) -> None:
+        """Finishes this rank's outstanding mirrors (and its device work, on CUDA)."""
+        for event in self._mirrors:
+            event.synchronize()
+        self._mirrors.clear()
+        if self.worker.device.type == "cuda":
+            torch.cuda.synchronize(self.worker.device)
+
+    def fence(self) -> None:
+        dist.barrier()
+
+    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
+        self.worker.load_pages(host_ids, gpu_ids)
+
+    def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
+        self.worker.open_lease(request_id, pages, capacity)
+
+    def close_lease(self, request_id: str) -> None:
+        self.worker.close_lease(request_id)
+
+    def lease_digests(self) -> dict[str, str]:
+        return self.worker.lease_digests()
+
+
+class SyncTicket(CopyTicket):
+    """A copy done by a rank: complete once the driver has waited for the ranks since issuing it."""
+
+    def __init__(self, executor: RemoteExecutor, seq: int) -> None:
+        self.executor, self.seq = executor, seq
+
+    def done(self) -> bool:
+        return self.executor.num_waits > self.seq
+
+    def wait(self) -> None:
+        if not self.done():
+            self.executor.sync()
+
+
+class RemoteExecutor(Executor):
+    """The driver's side of ranks in worker processes; subclasses supply the transport."""
+
+    pids: list[int]  # the ranks' processes, rank order (logs, operators)
+
+    def __init__(self, spec: WorkerSpec, max_num_logits: int, vocab_size: int) -> None:
+        self.tp_size = spec.tp_size
+        self.logits_device = torch.device("cpu")
+        self.num_waits = 0  # completed waits after which rank 0 had finished its mirrors
+        self._loads_since_wait = False
+        self._error: WorkerError | None = None
+        self._ranks = tuple(range(spec.tp_size))
+        logits = SharedTensor((max_num_logits, vocab_size), torch.float32)
+        try:
+            self._start(spec, logits.handle)
+        finally:
+            logits.unlink()
+        self._logits = logits.tensor
+
+    # --- transport (subclasses) -------------------------------------------------------
+
+    @abstractmethod
+    def _start(self, spec: WorkerSpec, logits: SharedTensorHandle) -> None:
+        """Starts one process per rank, each building `RemoteWorker`; returns when all are ready."""
+
+    @abstractmethod
+    def _post(self, ranks: Sequence[int], call: Call) -> None:
+        """Sends `call` to `ranks` without waiting."""
+
+    @abstractmethod
+    def _gather(self, ranks: Sequence[int], call: Call) -> list[Any]:
+        """Sends `call` to `ranks` and returns their replies; raises `WorkerError` if a rank failed."""
+
+    @abstractmethod
+    def _stop(self) -> None:
+        """Ends the rank processes."""
+
+    # --- guarded calls ----------------------------------------------------------------
+
+    def _run(self, ranks: Sequence[int], call: Call, wait: bool) -> list[Any]:
+        if self._error is not None:
+            raise self._error
+        try:
+            if not wait:
+                self._post(ranks, call)
+                return []
+            replies = self._gather(ranks, call)
+        except WorkerError as exc:
+            self._error = exc
+            logger.error("tensor-parallel replica failed: %s", exc)
+            self._stop()
+            raise
+        if len(ranks) == self.tp_size:  # every rank has read the host pages of earlier loads
+            self._loads_since_wait = False
+        return replies
+
+    # --- Executor -----------------------------------------------------------------------
+
+    def memory_info(self) -> list[tuple[int, int]]:
+        return self._run(self._ranks, ("memory_info", ()), wait=True)
+
+    def init_kv_pool(self, num_pages: int) -> None:
+        self._run(self._ranks, ("init_kv_pool", (num_pages,)), wait=True)
+
+    def create_host_pool(self, num_pages: int, page_bytes: int) -> torch.Tensor:
+        shared = SharedTensor((num_pages, page_bytes), torch.uint8)
+        try:
+            self._run(self._ranks, ("attach_host_pool", (shared.handle,)), wait=True)
+        finally:
+            shared.unlink()
+        return shared.tensor
+
+    def execute_model(self, step: StepInput) -> StepOutput:
+        replies = self._run(self._ranks, ("execute_model", (step,)), wait=True)
+        self.num_waits += 1  # rank 0 finished its mirrors before answering
+        return StepOutput(self._logits[: step.num_logits].clone(), replies[0].resolve)
+
+    def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket:
+        if self._loads_since_wait:
+            self._run(self._ranks, ("fence", ()), wait=False)
+            self._loads_since_wait = False
+        self._run((0,), ("mirror_pages", (list(gpu_ids), list(host_ids))), wait=False)
+        return SyncTicket(self, self.num_waits)
+
+    def sync(self) -> None:
+        """Waits until every rank has done everything sent so far, rank 0's mirrors included."""
+        self._run(self._ranks, ("sync", ()), wait=True)
+        self.num_waits += 1
+
+    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
+        self._run(self._ranks, ("load_pages", (list(host_ids), list(gpu_ids))), wait=False)
+        self._loads_since_wait = True
+
+    def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
+        self._run(self._ranks, ("open_lease", (request_id, list(pages), capacity)), wait=False)
+
+    def close_lease(self, request_id: str) -> None:
+        self._run(self._ranks, ("close_lease", (request_id,)), wait=False)
+
+    def lease_digests(self) -> list[dict[str, str]]:
+        return self._run(self._ranks, ("lease_digests", ()), wait=True)
+
+    def shutdown(self) -> None:
+        if self._error is None:
+            self._error = WorkerError("the executor was shut down")
+        self._stop()

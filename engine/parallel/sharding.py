@@ -1,0 +1,68 @@
+"""Which parameters are split across tensor-parallel ranks, and along which dimension.
+
+Split (weights are `[out_features, in_features]`):
+
+- attention heads: `q_b_proj` and `kv_b_proj` by output rows (whole heads per
+  rank), `o_proj` by input columns; the rank's partial output is summed by the
+  all-reduce after attention. The latent path (`q_a_proj`, `kv_a_proj_with_mqa`
+  and their norms) is replicated: every rank writes the same latent rows, so
+  the KV pool is a replica and page ids mean the same on every rank.
+- MLPs, the shared expert and every routed expert: `gate_proj` / `up_proj` by
+  output rows, `down_proj` by input columns; one all-reduce after the MLP block
+  sums routed and shared partials together. Routed experts are tensor parallel,
+  not expert parallel: each rank does 1/size of every selected expert, so its
+  share of the work does not depend on where the router sends tokens (with
+  expert parallelism the slowest rank sets every step's pace, and at decode
+  batches a few hot experts on one rank are the common case). GLM-5.3's
+  2048-wide experts split 8 ways stay a multiple of the 128-wide FP8 blocks.
+
+Replicated:
+
+- the indexer. Its one key per token is shared by all indexer heads, so
+  splitting the heads would not cut the key reads that bound decode scoring
+  (132 B per cached token on every rank either way), while summing the per-head
+  scores across ranks before top-K all-reduces one float per cached token per
+  query row per full layer: at GLM-5.3 shape, 64 decode rows over 128K tokens,
+  21 x 32 MiB per step, about 5.7 times the 2 x 78 hidden-state all-reduces of
+  the whole model (~120 MB), and n x context floats per chunk at prefill. The
+  price of replication is the indexer's weights (~0.4 GB bf16 per rank) and
+  its query projection and score FLOPs done on every rank. Replicated, every
+  rank selects the same top-K with no communication, which the replicated
+  hot-buffer tables rely on;
+- the router, the norms, the embedding and `lm_head` (154880 x 6144 bf16 is
+  1.9 GB, 1.3% of an H200). A vocabulary split would add an all-reduce at the
+  embedding and a gather of the logits; replicated, only rank 0 computes
+  logits and the driver samples what rank 0 returns.
+"""
+
+from __future__ import annotations
+
+import re
+
+from engine.model_config import ModelConfig
+
+_ROW_SPLIT = re.compile(
+    r"\.self_attn\.(q_b_proj|kv_b_proj)\.weight$|\.mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj)\.weight$"
+)
+_COLUMN_SPLIT = re.compile(r"\.self_attn\.o_proj\.weight$|\.mlp\.(experts\.\d+\.|shared_experts\.)?down_proj\.weight$")
+
+
+def shard_dim(name: str) -> int | None:
+    """Dimension along which parameter `name` is split (0 rows, 1 columns), None if replicated."""
+    if _ROW_SPLIT.search(name):
+        return 0
+    if _COLUMN_SPLIT.search(name):
+        return 1
+    return None
+
+
+def check_shardable(cfg: ModelConfig, size: int) -> None:
+    """Raises ValueError naming the first dimension that `size` ranks cannot split evenly."""
+    dims = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "intermediate_size": cfg.intermediate_size,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+    }
+    for what, n in dims.items():
+        if n % size:
+            raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={size}")

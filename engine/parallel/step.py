@@ -1,0 +1,58 @@
+"""What the driver sends every rank for one forward step, and what comes back.
+
+A `StepInput` is plain host data (CPU tensors, ids): the driver builds it once
+from the scheduler's decision and every rank turns it into a `ForwardBatch` on
+its own device. It carries the residency page tables of requests with
+host-only pages, so each rank can run the same resolve against its own copy of
+the request's hot-buffer tables. Rank 0 answers with the logits of the sampled
+rows and the resolve counts (the other ranks computed the same counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from residency.manager import ResolveCounts
+
+
+@dataclass(frozen=True)
+class NonResidentSpec:
+    """A request with host-only pages: where each of its logical MLA pages lives."""
+
+    request_id: str  # names the request's hot-buffer tables on each rank
+    gpu_pages: torch.Tensor  # [P] int32 GPU page per logical page, -1 where host-only
+    host_pages: torch.Tensor  # [P] int32 host page per logical page, -1 where none
+    num_tokens: int  # tokens the request holds after this step (reverse maps must cover them)
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """One step's batch as host data: flattened rows, write slots, page tables (see ForwardBatch)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    req_of_row: torch.Tensor  # [T]
+    mla_write_slots: torch.Tensor  # [T]
+    indexer_write_slots: torch.Tensor  # [T]
+    mla_page_table: torch.Tensor  # [B, max_pages] int32
+    indexer_page_table: torch.Tensor  # [B, max_indexer_pages] int32
+    context_lens: tuple[int, ...]  # per request: tokens cached after this step
+    logits_rows: torch.Tensor  # [S]
+    row_ranges: tuple[tuple[int, int], ...]  # per request: [start, end) of its rows
+    request_ids: tuple[str, ...]
+    nonresident: dict[int, NonResidentSpec]  # batch index -> page tables of a request with host-only pages
+    step: int  # LRU stamp of this step (grows every step)
+
+    @property
+    def num_logits(self) -> int:
+        return int(self.logits_rows.shape[0])
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Rank 0's answer: logits [S, V] float32 (None where they travel another way) and resolve counts."""
+
+    logits: torch.Tensor | None
+    resolve: ResolveCounts

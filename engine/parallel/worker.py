@@ -1,0 +1,117 @@
+"""One tensor-parallel rank: its weight shard, its replica of the KV pool, its attention ops.
+
+The same class serves every executor: in the engine's own process when the
+replica has one rank, in a worker process or a Ray actor otherwise. A rank
+does what the driver tells it, in the order it was told: build the pool, map
+the host pool, run forward steps, copy pages, open and close hot leases. Only
+rank 0 computes logits; the other ranks stop at the final hidden states.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention_ops import AttentionOps, TorchAttentionOps
+from engine.forward_batch import ForwardBatch
+from engine.kv_layout import KVFormat, KVLayout
+from engine.model import GlmMoeDsaForCausalLM
+from engine.model_config import ModelConfig
+from engine.parallel.rank_residency import RankResidency
+from engine.parallel.step import StepInput, StepOutput
+from engine.parallel.tensor_parallel import TensorParallel
+from engine.triton_ops import TritonAttentionOps
+from engine.weights import load_weights, random_init
+from residency.manager import ResolveCounts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank of a replica is built from; picklable, it travels to worker processes."""
+
+    model_dir: str
+    dtype: torch.dtype
+    kv_format: KVFormat
+    device_type: str  # "cpu" or "cuda"; each rank is given its own device
+    tp_size: int
+    random_seed: int | None  # seeded random weights instead of the checkpoint
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, rank: int, device: torch.device) -> None:
+        self.rank, self.device = rank, device
+        cfg = ModelConfig.from_dir(spec.model_dir)
+        self.layout = KVLayout.for_model(cfg, spec.kv_format)
+        with torch.device(device):
+            self.model = GlmMoeDsaForCausalLM(cfg, TensorParallel(rank, spec.tp_size)).to(spec.dtype)
+        # The router's correction bias and the indexer's head weights stay in float32, as published.
+        for layer in self.model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.weights_proj.float()
+        if spec.random_seed is not None:
+            random_init(self.model, spec.random_seed)
+        else:
+            load_weights(self.model, spec.model_dir, spec.dtype)
+        self.model.eval()
+        # Triton sparse attention on GPUs; the PyTorch reference elsewhere.
+        ops = TritonAttentionOps if device.type == "cuda" else TorchAttentionOps
+        self.ops: AttentionOps = ops(self.layout)
+        self.kv_pool = torch.empty(0, self.layout.page_bytes, dtype=torch.uint8, device=device)
+        self.residency: RankResidency | None = None  # set when the replica has a host tier
+
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of this rank's GPU after its weights; (0, 0) off the GPU."""
+        if self.device.type != "cuda":
+            return 0, 0
+        free, total = torch.cuda.mem_get_info(self.device)
+        return int(free), int(total)
+
+    def init_kv_pool(self, num_pages: int) -> None:
+        """This rank's replica of the page pool; sized after the weights so the free memory is known."""
+        self.kv_pool = torch.zeros(num_pages, self.layout.page_bytes, dtype=torch.uint8, device=self.device)
+        logger.info(
+            "rank %d KV pool: %d pages x %.2f MiB (%s rows)", self.rank, num_pages, self.layout.page_bytes / 2**20,
+            self.layout.kv_format,
+        )
+
+    def attach_host_pool(self, host: torch.Tensor) -> None:
+        self.residency = RankResidency(self.layout, self.kv_pool, host)
+
+    def execute_model(self, step: StepInput) -> StepOutput:
+        batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
+        if self.rank == 0:
+            logits = self.model(batch, self.kv_pool, self.layout, self.ops)
+        else:
+            self.model.hidden_states(batch, self.kv_pool, self.layout, self.ops)
+            logits = None
+        counts = self.residency.take_counts() if self.residency is not None else ResolveCounts()
+        return StepOutput(logits, counts)
+
+    # --- residency, as the driver decided it -------------------------------------------
+
+    def _host_tier(self) -> RankResidency:
+        if self.residency is None:
+            raise RuntimeError("this replica has no host tier")
+        return self.residency
+
+    def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> torch.cuda.Event | None:
+        return self._host_tier().mirror(gpu_ids, host_ids)
+
+    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
+        self._host_tier().load(host_ids, gpu_ids)
+
+    def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
+        self._host_tier().open_lease(request_id, pages, capacity)
+
+    def close_lease(self, request_id: str) -> None:
+        self._host_tier().close_lease(request_id)
+
+    def lease_digests(self) -> dict[str, str]:
+        return self.residency.digests() if self.residency is not None else {}
