@@ -108,10 +108,11 @@ class AsyncEngine:
         self._wake.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops the loop after the current step; pending streams get an error."""
+        """Stops the loop after the current step (pending streams get an error), then the ranks."""
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Blocks until no request is queued or running (tests, graceful drain)."""
@@ -156,6 +157,7 @@ class AsyncEngine:
             while not self._stopped:
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
+                    self.engine.check_health()  # a rank that died while idle ends the loop now
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
