@@ -24,7 +24,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
-from engine.memory_plan import GIB, MemoryBudget, num_gpu_pages
+from engine.memory_plan import GIB, MemoryBudget, num_gpu_pages, request_footprint
 from engine.model_runner import ModelRunner
 from engine.parallel.executor import make_executor
 from engine.parallel.sharding import check_shardable
@@ -156,11 +156,21 @@ class LLMEngine:
             )
         longest = min(n + params.max_tokens, self.max_model_len)
         pages = self.kv.pages_for_tokens(longest)
-        if pages > self.kv.pool.num_pages:
-            raise InvalidRequestError(
-                f"the request needs up to {longest} tokens of KV ({pages} pages) but the KV pool has "
-                f"{self.kv.pool.num_pages} pages; lower max_tokens or shorten the prompt"
-            )
+        if pages <= self.kv.pool.num_pages or self._fits_with_host(longest):
+            return
+        raise InvalidRequestError(
+            f"the request needs up to {longest} tokens of KV ({pages} pages) but the KV pool has "
+            f"{self.kv.pool.num_pages} pages; lower max_tokens or shorten the prompt"
+        )
+
+    def _fits_with_host(self, num_tokens: int) -> bool:
+        """Whether `hybrid` can run a request the GPU pool cannot hold whole: the GPU keeps its
+        indexer pages, tail, hot buffer and one prefill chunk; its completed pages live on host."""
+        if self.residency is None or self.config.hisparse.policy != "hybrid":
+            return False
+        fp = request_footprint(self.layout, num_tokens, "hybrid", self.residency.hot_rows)
+        chunk = -(-self.config.max_num_batched_tokens // self.layout.page_size)
+        return fp.gpu_pages + chunk <= self.kv.pool.num_pages and fp.host_pages <= self.residency.host.num_pages
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:

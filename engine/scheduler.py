@@ -123,6 +123,8 @@ class Scheduler:
             budget = self._swap_in(out, budget)
             if not self.swapped:
                 budget = self._admit(out, budget)
+        for s in out.scheduled:  # making room may have demoted a request after its chunk was sized
+            s.num_new_tokens = self._chunk(s.request, s.num_new_tokens)
         return out
 
     def _chunk(self, req: Request, budget: int) -> int:

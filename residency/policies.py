@@ -55,15 +55,22 @@ class HybridPolicy:
         self.residency = residency
 
     def make_room(self, scheduler: SchedulerView, needed: int, requester: PagedRequest) -> bool:
+        freed = self._demote(scheduler, needed)
+        if freed == 0:  # mirrors still in flight: waiting for them costs less than a recompute
+            self.residency.poll(wait=True)
+            freed = self._demote(scheduler, needed)
+        if freed > 0:
+            return True
+        return PreemptPolicy().make_room(scheduler, needed, requester)
+
+    def _demote(self, scheduler: SchedulerView, needed: int) -> int:
         freed = 0
         for req in sorted(scheduler.running, key=self.residency.demotion_gain, reverse=True):
             if freed >= needed:
                 break
             if self.residency.demotion_gain(req) > 0:
                 freed += self.residency.demote(req)
-        if freed > 0:
-            return True
-        return PreemptPolicy().make_room(scheduler, needed, requester)
+        return freed
 
     def rebalance(self, scheduler: SchedulerView) -> None:
         if scheduler.waiting:  # requests are queued for pages: promoting now would be undone at once

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.llm_engine import LLMEngine
+from engine.request import InvalidRequestError
 from residency.config import HiSparseConfig
 from tests.helpers import LogitsRecorder, assert_pages_released, greedy, make_engine
 
@@ -200,3 +201,21 @@ def test_next_turn_finds_its_prefix_on_host(tiny_dir: Path) -> None:
     assert second.token_ids == ref.token_ids
     torch.testing.assert_close(recorder.of(second.request_id), fresh_rec.of(ref.request_id), rtol=1e-4, atol=1e-4)
     assert_pages_released(engine)
+
+
+def test_hybrid_runs_a_request_longer_than_the_gpu_pool(tiny_dir: Path) -> None:
+    """Only the indexer pages, the tail, the hot buffer and a chunk need the GPU; the rest lives on host."""
+    prompt = _prompt(900, 12)
+    [ref] = make_engine(tiny_dir, enable_prefix_cache=False).generate([prompt], [greedy(20)])
+    pages_alone = make_engine(tiny_dir, num_gpu_pages=1).kv.pages_for_tokens(920)
+    engine = make_engine(tiny_dir, num_gpu_pages=12, max_num_batched_tokens=128, enable_prefix_cache=False,
+                         hisparse=HiSparseConfig(policy="hybrid", host_pool_gib=0.05))
+    assert pages_alone > 12
+    [out] = engine.generate([prompt], [greedy(20)])
+    assert out.token_ids == ref.token_ids
+    stats = engine.stats()
+    assert stats["pages_demoted"] > 0 and stats["preemptions"] == 0
+    assert_pages_released(engine)
+    off = make_engine(tiny_dir, num_gpu_pages=12, enable_prefix_cache=False)
+    with pytest.raises(InvalidRequestError, match="KV pool"):
+        off.add_request("long", prompt, greedy(20))
