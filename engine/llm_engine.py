@@ -131,7 +131,7 @@ class LLMEngine:
     def _build_residency(self, hs: HiSparseConfig) -> ResidencyManager | None:
         if not hs.uses_host:
             return None
-        host_pages = int(hs.host_pool_gib * 2**30) // self.layout.page_bytes
+        host_pages = int((hs.host_pool_gib + hs.offload_pool_gib) * 2**30) // self.layout.page_bytes
         if host_pages < 1:
             raise ValueError(f"host_pool_gib={hs.host_pool_gib} holds no {self.layout.page_bytes}-byte page")
         host = HostPool(self.executor.create_host_pool(host_pages, self.layout.page_bytes))

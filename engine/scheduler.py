@@ -136,18 +136,22 @@ class Scheduler:
         return num_new
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Resumes swapped (offload) or parked (hybrid) requests, oldest first, while pages allow."""
         residency = self.kv.residency
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            extra = self.kv.pages_for_tokens(req.num_computed_tokens + num_new) - residency.swap_in_cost(req)
-            if residency.swap_in_cost(req) + max(extra, 0) > self.kv.num_available or not residency.swap_in(req):
+            total = req.num_computed_tokens + num_new
+            growth = max(-(-total // self.kv.page_size) - len(req.mla_pages), 0)
+            growth += max(-(-total // self.kv.indexer_page_tokens) - len(req.host_indexer_pages), 0)
+            if residency.swap_in_cost(req) + growth > self.kv.num_available or not residency.swap_in(req):
                 break
             self.swapped.popleft()
-            if not self.kv.allocate(req, req.num_computed_tokens + num_new):
+            if not self.kv.allocate(req, total):
                 raise RuntimeError("pages checked available before swap-in were not")
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            num_new = self._chunk(req, num_new)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
         return budget

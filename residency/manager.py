@@ -123,6 +123,9 @@ class ResidencyManager:
         self.indexer_tokens_per_page = indexer_tokens_per_page
         self.stats = ResidencyStats()
         self._pending: list[_PendingMirror] = []
+        # Indexer pages of parked requests live in the host pool within their own budget.
+        self.offload_budget_pages = int(config.offload_pool_gib * 2**30) // self.page_bytes
+        self.parked_indexer_pages = 0
 
     # --- states --------------------------------------------------------------------
 
@@ -276,40 +279,82 @@ class ResidencyManager:
     # --- whole-request swap (the offload baseline) ----------------------------------
 
     def swap_out(self, req: PagedRequest) -> bool:
-        """Copies every page of `req` to host and frees its GPU pages; False if host is short."""
+        """Copies every page of `req` not yet on host there and frees its GPU pages; False if host is short.
+
+        `offload` swaps a request this way; `hybrid` parks one (its completed pages are mostly
+        mirrored already, so only the tail and the indexer pages move, the latter within the
+        separate `offload_pool_gib` budget).
+        """
         self.align(req)
         todo = [(PageUse.MLA, i, p) for i, p in enumerate(req.mla_pages) if req.host_pages[i] is None]
         todo += [(PageUse.INDEXER, j, p) for j, p in enumerate(req.indexer_pages) if req.host_indexer_pages[j] is None]
-        if len(todo) > self.host.cache.num_available:
+        if any(p is None for _, _, p in todo):
+            return False  # a host-only page without a host copy cannot happen; refuse rather than lose it
+        indexer = sum(1 for use, _, _ in todo if use is PageUse.INDEXER)
+        if len(todo) > self.host.cache.num_available or not self._indexer_budget_allows(indexer):
             return False
         host_ids = [self.host.cache.allocate(1, use)[0] for use, _, _ in todo]
         if todo:
             self.executor.mirror_pages([t[2] for t in todo], host_ids).wait()
         for (use, index, _), host_page in zip(todo, host_ids):
             self._set_host(req, use, index, host_page)
-        for page in req.mla_pages + req.indexer_pages:
+        moved = [p for p in req.mla_pages + req.indexer_pages if p is not None]
+        for page in moved:
             self.gpu_cache.release(page)
-        self.stats.pages_swapped_out += len(req.mla_pages) + len(req.indexer_pages)
+        self.return_hot(req)
+        self.stats.pages_swapped_out += len(moved)
+        self.parked_indexer_pages += len(req.host_indexer_pages) if self.config.policy == "hybrid" else 0
         req.mla_pages = [None] * len(req.mla_pages)
         req.indexer_pages = []
         return True
 
+    def _indexer_budget_allows(self, indexer_pages: int) -> bool:
+        if self.config.policy != "hybrid":
+            return True
+        return self.parked_indexer_pages + indexer_pages <= self.offload_budget_pages
+
+    def _resume_pages(self, req: PagedRequest) -> tuple[list[int], list[int]]:
+        """(MLA page indices, indexer page indices) a swapped request brings back to run again:
+        everything for `offload`; for `hybrid` the indexer pages and the tail (the last completed
+        page and the one being written), the rest stays on host behind a hot buffer."""
+        indexer = list(range(len(req.host_indexer_pages)))
+        if self.config.policy != "hybrid":
+            return list(range(len(req.host_pages))), indexer
+        return list(range(max(len(req.host_pages) - 2, 0), len(req.host_pages))), indexer
+
     def swap_in_cost(self, req: PagedRequest) -> int:
-        return len(req.host_pages) + len(req.host_indexer_pages)
+        mla, indexer = self._resume_pages(req)
+        hot = self.hot_pages_per_lease if self.config.policy == "hybrid" and len(mla) < len(req.host_pages) else 0
+        return len(mla) + len(indexer) + hot
 
     def swap_in(self, req: PagedRequest) -> bool:
-        """Brings a swapped request back in full (MLA and indexer pages) before it runs again."""
+        """Brings a swapped request back so it can run: whole (offload) or its tail (hybrid)."""
         need = self.swap_in_cost(req)
         if need > self.gpu_cache.num_available:
             return False
-        mla = self.gpu_cache.allocate(len(req.host_pages), PageUse.MLA)
-        idx = self.gpu_cache.allocate(len(req.host_indexer_pages), PageUse.INDEXER)
-        self.load_pages(req.host_pages + req.host_indexer_pages, mla + idx)
-        for page in req.host_pages + req.host_indexer_pages:
+        mla_idx, idx_idx = self._resume_pages(req)
+        mla = self.gpu_cache.allocate(len(mla_idx), PageUse.MLA)
+        idx = self.gpu_cache.allocate(len(idx_idx), PageUse.INDEXER)
+        self.load_pages([req.host_pages[i] for i in mla_idx] + list(req.host_indexer_pages), mla + idx)
+        if self.config.policy == "hybrid":
+            self.parked_indexer_pages -= len(req.host_indexer_pages)
+        for page in req.host_indexer_pages:  # the GPU copies grow from here; host copies go stale
             self.host.cache.release(page)
-        req.mla_pages, req.indexer_pages = mla, idx
-        req.host_pages, req.host_indexer_pages = [None] * len(mla), [None] * len(idx)
-        self.stats.pages_swapped_in += need
+        req.indexer_pages, req.host_indexer_pages = idx, [None] * len(idx)
+        completed = req.num_computed_tokens // PAGE_SIZE
+        for i, page in zip(mla_idx, mla):
+            req.mla_pages[i] = page
+            if i >= completed:  # the partial page is written again on GPU: its host copy goes stale
+                self.host.cache.release(req.host_pages[i])
+                req.host_pages[i] = None
+        if self.config.policy != "hybrid":
+            for i in mla_idx:
+                if req.host_pages[i] is not None:
+                    self.host.cache.release(req.host_pages[i])
+                    req.host_pages[i] = None
+        elif any(p is None for p in req.mla_pages[:completed]):
+            self.lease_hot(req)
+        self.stats.pages_swapped_in += len(mla) + len(idx)
         return True
 
     # --- lookups for non-resident tokens (resolved on the ranks, in the forward) ------

@@ -2,7 +2,10 @@
 
 - `hybrid`: demote running requests whose completed pages are already mirrored
   (their GPU pages free at once, no copy on the critical path), lease them hot
-  buffers, keep their tails; preempt only when that is not enough. When pages
+  buffers, keep their tails; when that is not enough, park the most recently
+  admitted request (its mirrored pages stay on host, its tail and indexer pages
+  follow within `offload_pool_gib`; it resumes with just those back on GPU), and
+  preempt only when the host cannot take it. When pages
   are plentiful again, re-promote host-resident requests (resident pages cost no
   miss copies), but only while nothing waits for pages and a share of the pool
   stays free afterwards, so a promotion is not undone by the next admission.
@@ -61,7 +64,7 @@ class HybridPolicy:
             freed = self._demote(scheduler, needed)
         if freed > 0:
             return True
-        return PreemptPolicy().make_room(scheduler, needed, requester)
+        return OffloadPolicy().make_room(scheduler, needed, requester)  # park the newest, else preempt
 
     def _demote(self, scheduler: SchedulerView, needed: int) -> int:
         freed = 0

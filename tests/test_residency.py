@@ -219,3 +219,24 @@ def test_hybrid_runs_a_request_longer_than_the_gpu_pool(tiny_dir: Path) -> None:
     off = make_engine(tiny_dir, num_gpu_pages=12, enable_prefix_cache=False)
     with pytest.raises(InvalidRequestError, match="KV pool"):
         off.add_request("long", prompt, greedy(20))
+
+
+def test_hybrid_parks_instead_of_preempting_when_demotion_is_not_enough(tiny_dir: Path, ample_run) -> None:
+    """A hot buffer too big to pay off leaves parking: mirrored pages stay on host, the tail and the
+    indexer pages follow within the offload budget, and the request resumes without recomputing."""
+    prompts, tokens, logits = ample_run
+    outcomes = {}
+    for offload_gib in (0.01, 0.0):
+        hs = HiSparseConfig(policy="hybrid", host_pool_gib=0.05, offload_pool_gib=offload_gib, hot_rows=512)
+        engine = make_engine(tiny_dir, num_gpu_pages=TIGHT_PAGES, enable_prefix_cache=False, hisparse=hs)
+        recorder = LogitsRecorder(engine)
+        outs = engine.generate(prompts, [greedy(NEW_TOKENS)] * len(prompts))
+        assert [o.token_ids for o in outs] == tokens
+        for out, ref in zip(outs, logits):
+            torch.testing.assert_close(recorder.of(out.request_id), ref, rtol=1e-4, atol=1e-4)
+        stats = engine.stats()
+        outcomes[offload_gib] = (stats["swaps"], stats["preemptions"])
+        assert_pages_released(engine)
+        assert engine.residency.host.num_in_use() == 0 and engine.residency.parked_indexer_pages == 0
+    assert outcomes[0.01][0] > 0 and outcomes[0.01][1] == 0  # parked, never recomputed
+    assert outcomes[0.0][1] > 0  # no budget for indexer pages: preempted
