@@ -42,6 +42,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", choices=list(POLICIES), default="off", help="what frees KV pages under pressure")
     p.add_argument("--host-pool-gib", type=float, default=0.0, help="host tier for hybrid / offload")
     p.add_argument("--hot-rows", type=int, default=None, help="hot slots per demoted request (default 2 x top-K)")
+    p.add_argument("--offload-pool-gib", type=float, default=0.0,
+                   help="host budget for indexer pages of parked requests (hybrid)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split over")
     p.add_argument("--executor", choices=["mp", "ray"], default="mp",
                    help="how ranks run when --tensor-parallel-size > 1: processes or Ray actors")
@@ -63,7 +65,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_cache=not args.no_prefix_cache,
         seed=args.seed if args.seed is not None else 0,
         random_weights=args.random_weights,
-        hisparse=HiSparseConfig(policy=args.policy, host_pool_gib=args.host_pool_gib, hot_rows=args.hot_rows),
+        hisparse=HiSparseConfig(policy=args.policy, host_pool_gib=args.host_pool_gib, hot_rows=args.hot_rows,
+                                offload_pool_gib=args.offload_pool_gib),
         tensor_parallel_size=args.tensor_parallel_size,
         executor=args.executor,
     )

@@ -169,8 +169,9 @@ class LLMEngine:
         if self.residency is None or self.config.hisparse.policy != "hybrid":
             return False
         fp = request_footprint(self.layout, num_tokens, "hybrid", self.residency.hot_rows)
-        chunk = -(-self.config.max_num_batched_tokens // self.layout.page_size)
-        return fp.gpu_pages + chunk <= self.kv.pool.num_pages and fp.host_pages <= self.residency.host.num_pages
+        chunk = min(self.config.max_num_batched_tokens, self.scheduler.max_chunk_tokens)
+        gpu = fp.gpu_pages + -(-chunk // self.layout.page_size)
+        return gpu <= self.kv.pool.num_pages and fp.host_pages <= self.residency.host.num_pages
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:

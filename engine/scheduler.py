@@ -127,10 +127,16 @@ class Scheduler:
             s.num_new_tokens = self._chunk(s.request, s.num_new_tokens)
         return out
 
+    @property
+    def max_chunk_tokens(self) -> int:
+        """A prefill chunk takes at most a quarter of the pool in new MLA pages, so a small pool
+        under a long prompt makes progress instead of waiting for pages it can never have."""
+        return max(1, self.kv.pool.num_pages // 4) * self.kv.page_size
+
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens `req` computes this step: a request with host-only pages takes few rows
         so that every row's top-K fits its hot buffer at once."""
-        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk_tokens)
         if req.hot is not None:
             num_new = min(num_new, self.config.max_rows_nonresident)
         return num_new
