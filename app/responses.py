@@ -18,6 +18,7 @@ from typing import Any
 
 from app.errors import error_body
 from app.messages import GenerateChunk
+from app.reasoning_parser import ReasoningStreamParser, split_reasoning
 from app.tool_parser import ToolCall, ToolCallStreamParser, parse_tool_calls
 
 
@@ -63,8 +64,11 @@ def _finish_reason(chunk: GenerateChunk, num_calls: int) -> str | None:
 
 def collect_chat(meta: ResponseMeta, chunks: list[GenerateChunk]) -> dict[str, Any]:
     text, last = "".join(c.text_delta for c in chunks), chunks[-1]
+    reasoning, text = split_reasoning(text)
     content, calls = parse_tool_calls(text) if meta.parse_tools else (text, [])
     message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [_tool_call(c) for c in calls]
     return {
@@ -104,13 +108,18 @@ def _chat_chunk(meta: ResponseMeta, delta: dict[str, Any], finish_reason: str | 
 
 async def stream_chat(meta: ResponseMeta, chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
     parser = ToolCallStreamParser() if meta.parse_tools else None
+    thinking = ReasoningStreamParser()
     num_calls = 0
     yield sse(_chat_chunk(meta, {"role": "assistant", "content": ""}))
     async for chunk in chunks:
         if chunk.error_status is not None:
             yield sse(error_body(chunk.error_status, chunk.error_message))
             break
-        events: list[str | ToolCall] = [chunk.text_delta] if parser is None else parser.feed(chunk.text_delta)
+        split = thinking.feed(chunk.text_delta) + (thinking.finish() if chunk.finished else [])
+        for _, reasoning in (e for e in split if e[0] == "reasoning"):
+            yield sse(_chat_chunk(meta, {"reasoning_content": reasoning}))
+        text = "".join(t for kind, t in split if kind == "content")
+        events: list[str | ToolCall] = [text] if parser is None else parser.feed(text)
         if chunk.finished and parser is not None:
             events += parser.finish()
         for event in events:
