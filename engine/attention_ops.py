@@ -16,6 +16,8 @@ from engine.kv_layout import KVLayout
 
 # Query rows processed together by the PyTorch path: bounds the gathered rows held at once.
 _ROW_CHUNK = 256
+# Float32 elements of per-head indexer scores held at once by the PyTorch path (1 GiB).
+_SCORE_ELEMENTS = 1 << 28
 
 
 class TopK(NamedTuple):
@@ -49,13 +51,19 @@ class TorchAttentionOps:
         """q [n, Hi, Di], weights [n, Hi], keys [ctx, Di]; row i sees positions < limits[i]."""
         ctx = keys.shape[0]
         k = min(topk, ctx)
-        scores = torch.relu(torch.einsum("nhd,td->nht", q.float(), keys.float()) * scale)
-        index_scores = torch.einsum("nh,nht->nt", weights.float(), scores)
-        visible = torch.arange(ctx, device=q.device)[None, :] < limits[:, None]
-        index_scores = index_scores.masked_fill(~visible, float("-inf"))
-        # A stable sort breaks ties (ReLU makes exact zeros common) by position, the same way
-        # whatever the chunking or batching, so chunked prefill selects what one-shot selects.
-        positions = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        keys = keys.float()
+        # Per-head scores are [rows, Hi, ctx] floats: bound the rows scored at once.
+        rows = max(1, _SCORE_ELEMENTS // max(q.shape[1] * ctx, 1))
+        positions = torch.empty(q.shape[0], k, dtype=torch.long, device=q.device)
+        for start in range(0, q.shape[0], rows):
+            part = slice(start, start + rows)
+            scores = torch.relu(torch.einsum("nhd,td->nht", q[part].float(), keys) * scale)
+            index_scores = torch.einsum("nh,nht->nt", weights[part].float(), scores)
+            visible = torch.arange(ctx, device=q.device)[None, :] < limits[part, None]
+            index_scores = index_scores.masked_fill(~visible, float("-inf"))
+            # A stable sort breaks ties (ReLU makes exact zeros common) by position, the same way
+            # whatever the chunking or batching, so chunked prefill selects what one-shot selects.
+            positions[part] = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
         return TopK(positions, torch.clamp(limits, max=k))
 
     def sparse_mla(
