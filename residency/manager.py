@@ -59,6 +59,10 @@ class PoolExecutor(Protocol):
         """Whole GPU pages -> host pages, asynchronously."""
         ...
 
+    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> CopyTicket:
+        """One token's rows of every layer (GPU page, token) -> (host page, token), per entry."""
+        ...
+
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         """Whole host pages -> GPU pages, on every rank before its next step."""
         ...
@@ -87,6 +91,7 @@ class ResolveCounts:
 @dataclass
 class ResidencyStats:
     pages_mirrored: int = 0
+    rows_mirrored: int = 0  # one token's rows of every layer, copied after the forward that wrote them
     pages_demoted: int = 0
     pages_promoted: int = 0
     pages_swapped_out: int = 0
@@ -123,6 +128,8 @@ class ResidencyManager:
         self.indexer_tokens_per_page = indexer_tokens_per_page
         self.stats = ResidencyStats()
         self._pending: list[_PendingMirror] = []
+        # Host copies of pages still being written: (request id, page index) -> host page.
+        self._partial: dict[tuple[str, int], int] = {}
         # Indexer pages of parked requests live in the host pool within their own budget.
         self.offload_budget_pages = int(config.offload_pool_gib * 2**30) // self.page_bytes
         self.parked_indexer_pages = 0
@@ -145,9 +152,48 @@ class ResidencyManager:
 
     # --- proactive mirroring -------------------------------------------------------
 
+    def mirror_step(self, steps: list[tuple[PagedRequest, int, int]]) -> None:
+        """Mirrors what a forward wrote: for each (request, first, end) the rows of tokens
+        [first, end) of every layer go to the host copy of their page, one launch for all; a page
+        whose host copy starts now is copied whole once. A page that completes with its host copy
+        becomes demotable (and findable by its hash) as soon as the copy is done, with nothing
+        left to copy on the critical path."""
+        self.poll()
+        whole: list[tuple[int, int]] = []
+        rows: list[tuple[int, int, int]] = []
+        for req, first, end in steps:
+            self.align(req)
+            completing: list[tuple[PageUse, int, int, bytes]] = []
+            for i in range(first // PAGE_SIZE, -(-end // PAGE_SIZE)):
+                gpu_page = req.mla_pages[i]
+                if gpu_page is None or req.host_pages[i] is not None:
+                    continue
+                host_page = self._partial.get((req.request_id, i))
+                if host_page is None:
+                    if self.host.cache.num_available == 0:
+                        self.stats.mirror_skipped_host_full += 1
+                        continue
+                    [host_page] = self.host.cache.allocate(1, PageUse.MLA)
+                    self._partial[(req.request_id, i)] = host_page
+                    whole.append((gpu_page, host_page))
+                else:
+                    rows += [(gpu_page, host_page, t % PAGE_SIZE)
+                             for t in range(max(first, i * PAGE_SIZE), min(end, (i + 1) * PAGE_SIZE))]
+                if i < end // PAGE_SIZE and i < len(req.page_hashes):  # complete now: publish once copied
+                    del self._partial[(req.request_id, i)]
+                    completing.append((PageUse.MLA, i, host_page, req.page_hashes[i]))
+            if completing:
+                self._pending.append(_PendingMirror(req, completing, None))
+        if whole:
+            self.executor.mirror_pages([w[0] for w in whole], [w[1] for w in whole])
+            self.stats.pages_mirrored += len(whole)
+        if rows:
+            self.executor.mirror_rows(*zip(*rows))
+            self.stats.rows_mirrored += len(rows)
+        self.mirror_completed([req for req, _, _ in steps])
+
     def mirror_completed(self, requests: list[PagedRequest]) -> None:
         """Queues every completed, not yet mirrored page of `requests` to host, in one launch."""
-        self.poll()
         in_flight = {(id(p.request), e[0], e[1]) for p in self._pending for e in p.entries}
         gpu_ids: list[int] = []
         host_ids: list[int] = []
@@ -171,9 +217,7 @@ class ResidencyManager:
                 host_ids.append(host_page)
             if entries:
                 self._pending.append(_PendingMirror(req, entries, None))
-        if not gpu_ids:
-            return
-        ticket = self.executor.mirror_pages(gpu_ids, host_ids)
+        ticket = self.executor.mirror_pages(gpu_ids, host_ids)  # also the ticket of this step's rows
         for pending in self._pending:
             if pending.ticket is None:
                 pending.ticket = ticket
@@ -189,6 +233,12 @@ class ResidencyManager:
         for j in range(req.num_computed_tokens // self.indexer_tokens_per_page):
             if req.host_indexer_pages[j] is None and (j + 1) * per_idx <= len(req.page_hashes):
                 yield PageUse.INDEXER, j, req.indexer_pages[j], req.page_hashes[(j + 1) * per_idx - 1]
+
+    def host_copy_of(self, req: PagedRequest, index: int) -> int | None:
+        """The host page mirroring MLA page `index` of `req`, complete or still being written."""
+        if index < len(req.host_pages) and req.host_pages[index] is not None:
+            return req.host_pages[index]
+        return self._partial.get((req.request_id, index))
 
     @staticmethod
     def _set_host(req: PagedRequest, use: PageUse, index: int, host_page: int) -> None:
@@ -286,6 +336,9 @@ class ResidencyManager:
         separate `offload_pool_gib` budget).
         """
         self.align(req)
+        self.poll(wait=True)
+        for key in [k for k in self._partial if k[0] == req.request_id]:  # current up to the last step
+            req.host_pages[key[1]] = self._partial.pop(key)
         todo = [(PageUse.MLA, i, p) for i, p in enumerate(req.mla_pages) if req.host_pages[i] is None]
         todo += [(PageUse.INDEXER, j, p) for j, p in enumerate(req.indexer_pages) if req.host_indexer_pages[j] is None]
         if any(p is None for _, _, p in todo):
@@ -372,6 +425,8 @@ class ResidencyManager:
         """Drops `req`'s host pages and hot buffer (its GPU pages are the engine's to release)."""
         if any(p.request is req for p in self._pending):
             self.poll(wait=True)
+        for key in [k for k in self._partial if k[0] == req.request_id]:
+            self.host.cache.release(self._partial.pop(key))
         for page in req.host_pages + req.host_indexer_pages:
             if page is not None:
                 self.host.cache.release(page)

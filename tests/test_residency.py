@@ -240,3 +240,29 @@ def test_hybrid_parks_instead_of_preempting_when_demotion_is_not_enough(tiny_dir
         assert engine.residency.host.num_in_use() == 0 and engine.residency.parked_indexer_pages == 0
     assert outcomes[0.01][0] > 0 and outcomes[0.01][1] == 0  # parked, never recomputed
     assert outcomes[0.0][1] > 0  # no budget for indexer pages: preempted
+
+
+def test_new_rows_are_mirrored_after_every_forward(tiny_dir: Path) -> None:
+    """Every computed row of every layer has its host copy once the step that wrote it ends, so a
+    page is demotable the moment it completes."""
+    engine = _engine(tiny_dir, "hybrid", pages=40)
+    engine.add_request("a", _prompt(100, 3), greedy(60))
+    req = engine.scheduler.waiting[0]
+    residency, layout = engine.residency, engine.layout
+    pool, host = engine.runner.kv_pool, residency.host.data
+    while engine.has_unfinished():
+        engine.step()
+        if req.is_finished:
+            break
+        computed = req.num_computed_tokens
+        for i, gpu_page in enumerate(req.mla_pages):
+            host_page = residency.host_copy_of(req, i)
+            assert host_page is not None, f"page {i} has no host copy"
+            tokens = slice(0, min(computed - i * 64, 64))
+            for layer in range(layout.num_layers):
+                on_gpu = layout.mla_layer_view(pool, layer)[gpu_page, tokens]
+                assert torch.equal(layout.mla_layer_view(host, layer)[host_page, tokens], on_gpu)
+        assert residency.demotable(req) == list(range(max(computed // 64 - 1, 0)))
+    assert residency.stats.rows_mirrored > 0
+    assert_pages_released(engine)
+    assert residency.host.num_in_use() == 0

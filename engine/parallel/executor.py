@@ -74,6 +74,10 @@ class Executor(ABC):
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket: ...
 
     @abstractmethod
+    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> CopyTicket:
+        """One rank copies the rows of every layer of single tokens into the same tokens of host pages."""
+
+    @abstractmethod
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         """Every rank copies the host pages into its GPU pages before its next step."""
 
@@ -131,6 +135,9 @@ class LocalExecutor(Executor):
 
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket:
         return EventTicket(self.worker.mirror_pages(gpu_ids, host_ids))
+
+    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> CopyTicket:
+        return EventTicket(self.worker.mirror_rows(gpu_ids, host_ids, tokens))
 
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         self.worker.load_pages(host_ids, gpu_ids)

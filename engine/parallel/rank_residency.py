@@ -64,6 +64,19 @@ class RankResidency:
         """Copies whole GPU pages to host pages on a side stream; the event marks completion (None: done)."""
         return page_mirror.mirror_pages(self.pool, self.host, list(gpu_ids), list(host_ids), self._stream)
 
+    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> None:
+        """Copies single tokens' rows of every layer to the same tokens of host pages: per IndexShare
+        group one gather of whole runs (a token's rows of the group are contiguous)."""
+        if not gpu_ids:
+            return
+        gpu = torch.tensor(list(gpu_ids), dtype=torch.long, device=self.pool.device)
+        tok = torch.tensor(list(tokens), dtype=torch.long, device=self.pool.device)
+        host, host_tok = torch.tensor(list(host_ids), dtype=torch.long), tok.cpu()
+        for offset, run in zip(self.group_offsets, self.group_run_bytes):
+            src = self.pool[:, offset : offset + PAGE_SIZE * run].unflatten(1, (PAGE_SIZE, run))
+            dst = self.host[:, offset : offset + PAGE_SIZE * run].unflatten(1, (PAGE_SIZE, run))
+            dst[host, host_tok] = src[gpu, tok].cpu()
+
     def load(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         """Copies whole host pages into GPU pages, in order with this rank's forward steps."""
         if not gpu_ids:

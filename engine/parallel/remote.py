@@ -54,7 +54,8 @@ class RemoteWorker:
     """A rank in a worker process: a `Worker` in a process group, driven by named calls."""
 
     CALLS = frozenset({
-        "memory_info", "init_kv_pool", "attach_host_pool", "execute_model", "mirror_pages", "load_pages",
+        "memory_info", "init_kv_pool", "attach_host_pool", "execute_model", "mirror_pages", "mirror_rows",
+        "load_pages",
         "open_lease", "close_lease", "lease_digests", "sync", "fence",
     })
 
@@ -103,6 +104,9 @@ class RemoteWorker:
         event = self.worker.mirror_pages(gpu_ids, host_ids)
         if event is not None:
             self._mirrors.append(event)
+
+    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> None:
+        self.worker.mirror_rows(gpu_ids, host_ids, tokens)
 
     def sync(self) -> None:
         """Finishes this rank's outstanding mirrors (and its device work, on CUDA)."""
@@ -224,6 +228,13 @@ class RemoteExecutor(Executor):
             self._run(self._ranks, ("fence", ()), wait=False)
             self._loads_since_wait = False
         self._run((0,), ("mirror_pages", (list(gpu_ids), list(host_ids))), wait=False)
+        return SyncTicket(self, self.num_waits)
+
+    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> CopyTicket:
+        if self._loads_since_wait:
+            self._run(self._ranks, ("fence", ()), wait=False)
+            self._loads_since_wait = False
+        self._run((0,), ("mirror_rows", (list(gpu_ids), list(host_ids), list(tokens))), wait=False)
         return SyncTicket(self, self.num_waits)
 
     def sync(self) -> None:
