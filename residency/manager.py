@@ -16,7 +16,6 @@ hot-buffer LRU tables, keyed by request id, opened and closed here.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
