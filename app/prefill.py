@@ -33,7 +33,7 @@ class PrefillServer(EngineServer):
         num_cached = 0
         async for output in self.engine.generate(ids, _ONE_TOKEN, f"{req.request_id}-prefill"):
             num_cached = output.num_cached_tokens
-        snap = await self.engine.run_in_engine(lambda e: snapshot_prefix(e.kv, e.runner.kv_pool, ids))
+        snap = await self.engine.run_in_engine(lambda e: snapshot_prefix(e.kv, e.runner.executor, ids))
         export = export_snapshot(snap, self._config.model_id, self.engine.engine.layout, ids, req.start_tokens)
         handle = await publish(export)
         self.counters["prefills"] += 1

@@ -84,7 +84,7 @@ def land_prefix(engine: LLMEngine, token_ids: list[int], export: KVExport) -> La
         mla=_TailPages(export.start_tokens // layout.page_size, pages_as_tensor(export.mla)),
         indexer=_TailPages(export.start_tokens // layout.indexer_tokens_per_page, pages_as_tensor(export.indexer)),
     )
-    installed = install_prefix(engine.kv, engine.runner.kv_pool, token_ids, snap)
+    installed = install_prefix(engine.kv, engine.runner.executor, token_ids, snap)
     return Landing(max(installed, held), max(installed - held, 0), "gpu")
 
 

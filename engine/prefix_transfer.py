@@ -11,7 +11,9 @@ hashing of the token ids, so bytes only ever land under the prefix they belong t
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -31,23 +33,32 @@ class PrefixSnapshot:
     indexer: torch.Tensor  # [num_indexer_pages, page_bytes] uint8, CPU
 
 
-def snapshot_prefix(kv: KVCacheManager, pool: torch.Tensor, token_ids: list[int]) -> PrefixSnapshot:
+class PageStore(Protocol):
+    """Whole-page access to a replica's GPU pool, whichever ranks hold it (the executors)."""
+
+    def read_pages(self, gpu_ids: Sequence[int]) -> torch.Tensor: ...
+
+    def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None: ...
+
+
+def snapshot_prefix(kv: KVCacheManager, pages: PageStore, token_ids: list[int]) -> PrefixSnapshot:
     """Copies the cached reusable prefix of `token_ids` out of the pool."""
     hashes, mla, idx = kv.lookup_prefix(token_ids)
-    pages = torch.tensor(mla + idx, dtype=torch.long, device=pool.device)
-    data = pool[pages].cpu() if len(pages) else torch.empty(0, pool.shape[1], dtype=torch.uint8)
+    page_bytes = kv.layout.page_bytes
+    data = pages.read_pages(mla + idx) if mla + idx else torch.empty(0, page_bytes, dtype=torch.uint8)
     return PrefixSnapshot(len(mla) * kv.page_size, hashes[: len(mla)], data[: len(mla)], data[len(mla) :])
 
 
-def install_prefix(kv: KVCacheManager, pool: torch.Tensor, token_ids: list[int], snap: PrefixSnapshot) -> int:
+def install_prefix(kv: KVCacheManager, pages: PageStore, token_ids: list[int], snap: PrefixSnapshot) -> int:
     """Adds the snapshot's pages to the prefix cache; returns the prefix tokens now cached.
 
     Pages already cached are kept; the rest are written into fresh pages while
     pages are available. Raises ValueError when the snapshot does not belong to
     `token_ids` (hash mismatch) or has the wrong page size.
     """
-    if snap.mla.shape[1:] != (pool.shape[1],) or snap.indexer.shape[1:] != (pool.shape[1],):
-        raise ValueError(f"snapshot pages are not {pool.shape[1]} bytes: the two engines differ in layout")
+    page_bytes = kv.layout.page_bytes
+    if snap.mla.shape[1:] != (page_bytes,) or snap.indexer.shape[1:] != (page_bytes,):
+        raise ValueError(f"snapshot pages are not {page_bytes} bytes: the two engines differ in layout")
     hashes, _, _ = kv.lookup_prefix(token_ids)
     if hashes[: len(snap.page_hashes)] != snap.page_hashes:
         raise ValueError("snapshot page hashes do not match these token ids")
@@ -58,7 +69,7 @@ def install_prefix(kv: KVCacheManager, pool: torch.Tensor, token_ids: list[int],
         for j in range(snap.indexer.shape[0]):
             group = [(PageUse.MLA, snap.page_hashes[i], snap.mla[i]) for i in range(j * per_idx, (j + 1) * per_idx)]
             group.append((PageUse.INDEXER, snap.page_hashes[(j + 1) * per_idx - 1], snap.indexer[j]))
-            if not _install_pages(kv, pool, group, held):
+            if not _install_pages(kv, pages, group, held):
                 break
             installed_idx += 1
     finally:
@@ -68,19 +79,20 @@ def install_prefix(kv: KVCacheManager, pool: torch.Tensor, token_ids: list[int],
     return installed_idx * per_idx * kv.page_size
 
 
-def _install_pages(kv: KVCacheManager, pool: torch.Tensor, pages: list[tuple], held: list[int]) -> bool:
-    """Caches every page of `pages` (use, key, bytes) or none; pins them in `held`."""
-    missing = [p for p in pages if kv.cache.lookup(p[0], p[1]) is None]
+def _install_pages(kv: KVCacheManager, store: PageStore, group: list[tuple], held: list[int]) -> bool:
+    """Caches every page of `group` (use, key, bytes) or none; pins them in `held`."""
+    missing = [p for p in group if kv.cache.lookup(p[0], p[1]) is None]
     if len(missing) > kv.num_available:
         return False
-    for use, key, _ in pages:
+    for use, key, _ in group:
         page = kv.cache.lookup(use, key)
         if page is not None:
             kv.cache.acquire(page)
             held.append(page)
-    for use, key, data in missing:
-        [page] = kv.cache.allocate(1, use)
-        pool[page].copy_(data.to(pool.device))
+    fresh = [kv.cache.allocate(1, use)[0] for use, _, _ in missing]
+    if fresh:
+        store.write_pages(fresh, torch.stack([data for _, _, data in missing]))
+    for page, (use, key, _) in zip(fresh, missing):
         kv.cache.insert(page, use, key)
         held.append(page)
     return True

@@ -33,7 +33,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _prefill_and_export(engine: LLMEngine, ids: list[int], start_tokens: int = 0) -> KVExport:
     engine.generate([ids], [SamplingParams(max_tokens=1, ignore_eos=True)])
-    snap = snapshot_prefix(engine.kv, engine.runner.kv_pool, ids)
+    snap = snapshot_prefix(engine.kv, engine.runner.executor, ids)
     return export_snapshot(snap, MODEL_ID, engine.layout, ids, start_tokens)
 
 

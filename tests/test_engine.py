@@ -170,14 +170,14 @@ def test_prefix_moves_between_engines(tiny_dir: Path) -> None:
     per_page = prefill.kv.indexer_page_tokens
     prompt = _prompt(per_page + 90, 11)
     prefill.generate([prompt], [greedy(1)])
-    snap = snapshot_prefix(prefill.kv, prefill.runner.kv_pool, prompt)
+    snap = snapshot_prefix(prefill.kv, prefill.runner.executor, prompt)
     assert snap.num_tokens == per_page
-    assert install_prefix(decode.kv, decode.runner.kv_pool, prompt, snap) == per_page
+    assert install_prefix(decode.kv, decode.runner.executor, prompt, snap) == per_page
     decode.check_integrity()
     [moved] = decode.generate([prompt], [greedy(10)])
     assert moved.num_cached_tokens == per_page
     [local] = make_engine(tiny_dir).generate([prompt], [greedy(10)])
     assert moved.token_ids == local.token_ids
     with pytest.raises(ValueError, match="hashes"):
-        install_prefix(decode.kv, decode.runner.kv_pool, list(reversed(prompt)), snap)
+        install_prefix(decode.kv, decode.runner.executor, list(reversed(prompt)), snap)
     assert_pages_released(decode)

@@ -238,3 +238,26 @@ def test_placement_group_bundles() -> None:
     bundles = placement_group_bundles(8, "cuda")
     assert bundles[0] == {"CPU": 1.0} and bundles[1:] == [{"CPU": 1.0, "GPU": 1.0}] * 8
     assert placement_group_bundles(2, "cpu") == [{"CPU": 1.0}] * 3
+
+
+def test_prefix_moves_between_split_replicas(tiny_dir: Path) -> None:
+    """P/D with tensor parallel: a prefix computed by a 2-rank replica lands in another 2-rank replica
+    (pages read from rank 0, written on every rank) and is reused there unchanged."""
+    from engine.prefix_transfer import install_prefix, snapshot_prefix
+
+    prefill = make_engine(tiny_dir, tensor_parallel_size=2, executor="mp")
+    decode = make_engine(tiny_dir, tensor_parallel_size=2, executor="mp")
+    try:
+        per_page = prefill.kv.indexer_page_tokens
+        prompt = torch.randint(0, 380, (per_page + 90,), generator=torch.Generator().manual_seed(5)).tolist()
+        prefill.generate([prompt], [greedy(1)])
+        snap = snapshot_prefix(prefill.kv, prefill.runner.executor, prompt)
+        assert install_prefix(decode.kv, decode.runner.executor, prompt, snap) == per_page
+        [moved] = decode.generate([prompt], [greedy(8)])
+        assert moved.num_cached_tokens == per_page
+        [local] = make_engine(tiny_dir).generate([prompt], [greedy(8)])
+        assert moved.token_ids == local.token_ids
+        assert_pages_released(decode)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()

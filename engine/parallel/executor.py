@@ -82,6 +82,14 @@ class Executor(ABC):
         """Every rank copies the host pages into its GPU pages before its next step."""
 
     @abstractmethod
+    def read_pages(self, gpu_ids: Sequence[int]) -> torch.Tensor:
+        """Whole GPU pages as one CPU tensor [n, page_bytes] (read from one rank: all hold the same)."""
+
+    @abstractmethod
+    def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Every rank writes `data` [n, page_bytes] into the GPU pages before its next step."""
+
+    @abstractmethod
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
         """Every rank creates empty hot tables for the request (positions below `capacity` mapped)."""
 
@@ -141,6 +149,12 @@ class LocalExecutor(Executor):
 
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         self.worker.load_pages(host_ids, gpu_ids)
+
+    def read_pages(self, gpu_ids: Sequence[int]) -> torch.Tensor:
+        return self.worker.read_pages(gpu_ids)
+
+    def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
+        self.worker.write_pages(gpu_ids, data)
 
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
         self.worker.open_lease(request_id, pages, capacity)

@@ -55,7 +55,7 @@ class RemoteWorker:
 
     CALLS = frozenset({
         "memory_info", "init_kv_pool", "attach_host_pool", "execute_model", "mirror_pages", "mirror_rows",
-        "load_pages",
+        "load_pages", "read_pages", "write_pages",
         "open_lease", "close_lease", "lease_digests", "sync", "fence",
     })
 
@@ -121,6 +121,12 @@ class RemoteWorker:
 
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         self.worker.load_pages(host_ids, gpu_ids)
+
+    def read_pages(self, gpu_ids: Sequence[int]) -> torch.Tensor:
+        return self.worker.read_pages(gpu_ids)
+
+    def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
+        self.worker.write_pages(gpu_ids, data)
 
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
         self.worker.open_lease(request_id, pages, capacity)
@@ -245,6 +251,13 @@ class RemoteExecutor(Executor):
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         self._run(self._ranks, ("load_pages", (list(host_ids), list(gpu_ids))), wait=False)
         self._loads_since_wait = True
+
+    def read_pages(self, gpu_ids: Sequence[int]) -> torch.Tensor:
+        [data] = self._run((0,), ("read_pages", (list(gpu_ids),)), wait=True)
+        return data
+
+    def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
+        self._run(self._ranks, ("write_pages", (list(gpu_ids), data.contiguous())), wait=False)
 
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
         self._run(self._ranks, ("open_lease", (request_id, list(pages), capacity)), wait=False)

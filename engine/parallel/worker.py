@@ -110,6 +110,13 @@ class Worker:
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         self._host_tier().load(host_ids, gpu_ids)
 
+    def read_pages(self, gpu_ids: Sequence[int]) -> torch.Tensor:
+        """Whole pages of this rank's pool, on the CPU (every rank holds the same bytes)."""
+        return self.kv_pool[torch.tensor(list(gpu_ids), dtype=torch.long, device=self.device)].cpu()
+
+    def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
+        self.kv_pool[torch.tensor(list(gpu_ids), dtype=torch.long, device=self.device)] = data.to(self.device)
+
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
         self._host_tier().open_lease(request_id, pages, capacity)
 
