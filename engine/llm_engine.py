@@ -102,8 +102,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.layout, num_pages, config.enable_prefix_cache)
         self.residency = self._build_residency(config.hisparse)
         self.kv.residency = self.runner.residency = self.residency
-        rows = self.residency.hot_rows // self.model_config.index_topk if self.residency else 1
-        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, rows)
+        sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.kv, make_policy(config.hisparse.policy, self.residency))
         self.state_counter = StateCounter()
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()

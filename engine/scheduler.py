@@ -25,7 +25,6 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
-    max_rows_nonresident: int = 1  # query rows per step of a request with host-only pages (hot_rows // top-K)
 
     def __post_init__(self) -> None:
         if min(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len) < 1:
@@ -134,11 +133,13 @@ class Scheduler:
         return max(1, self.kv.pool.num_pages // 4) * self.kv.page_size
 
     def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens `req` computes this step: a request with host-only pages takes few rows
-        so that every row's top-K fits its hot buffer at once."""
+        """Tokens `req` computes this step: a request with host-only pages takes the rows whose
+        misses its hot buffer holds at once (its buffer is sized for the step first)."""
         num_new = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk_tokens)
         if req.hot is not None:
-            num_new = min(num_new, self.config.max_rows_nonresident)
+            spare = self.kv.num_available - self.kv.pages_needed(req, req.num_computed_tokens + num_new)
+            self.kv.residency.size_hot_for(req, num_new, spare)
+            num_new = min(num_new, self.kv.residency.rows_per_step(req))
         return num_new
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:

@@ -122,6 +122,7 @@ class ResidencyManager:
         self.config = config
         self.gpu_cache, self.executor, self.host = gpu_cache, executor, host
         self.page_bytes = host.data.shape[1]
+        self.index_topk = index_topk
         self.hot_rows = config.hot_rows_for(index_topk)
         self.hot_pages_per_lease = self.hot_rows // PAGE_SIZE
         self.indexer_tokens_per_page = indexer_tokens_per_page
@@ -287,6 +288,38 @@ class ResidencyManager:
         leased = 0 if req.hot is not None else self.lease_hot(req)
         self.stats.pages_demoted += len(pages)
         return len(pages) - leased
+
+    @staticmethod
+    def host_only_tokens(req: PagedRequest) -> int:
+        return PAGE_SIZE * sum(1 for p in req.mla_pages if p is None)
+
+    def rows_per_step(self, req: PagedRequest) -> int:
+        """Query rows `req` may compute in one step with its hot buffer: every miss of the step needs
+        a slot no earlier row of the step used, and a step misses each host-only token at most once."""
+        rows = req.hot.num_rows if req.hot is not None else 0
+        if rows >= self.host_only_tokens(req):
+            return 1 << 30
+        return max(1, rows // self.index_topk)
+
+    def size_hot_for(self, req: PagedRequest, rows: int, spare_pages: int) -> None:
+        """Fits the hot buffer of a request with host-only pages to `rows` query rows per step: an
+        extend grows it (with at most `spare_pages` free pages) so a turn's new tokens take few
+        steps; back at one row it returns to the configured size. Resizing starts empty tables."""
+        if req.hot is None:
+            return
+        want_rows = min(rows * self.index_topk, self.host_only_tokens(req))
+        want = max(self.hot_pages_per_lease, -(-want_rows // PAGE_SIZE))
+        have = list(req.hot.pages)
+        if want > len(have):
+            have += self.gpu_cache.allocate(min(want - len(have), max(spare_pages, 0)), PageUse.HOT)
+        else:
+            for page in have[want:]:
+                self.gpu_cache.release(page)
+            have = have[:want]
+        if len(have) != len(req.hot.pages):
+            self.executor.close_lease(req.request_id)
+            req.hot = HotLease(tuple(have))
+            self.executor.open_lease(req.request_id, have, req.num_tokens + PAGE_SIZE)
 
     def lease_hot(self, req: PagedRequest) -> int:
         pages = self.gpu_cache.allocate(self.hot_pages_per_lease, PageUse.HOT)

@@ -215,6 +215,9 @@ def test_hybrid_runs_a_request_longer_than_the_gpu_pool(tiny_dir: Path) -> None:
     assert out.token_ids == ref.token_ids
     stats = engine.stats()
     assert stats["pages_demoted"] > 0 and stats["preemptions"] == 0
+    # Prefill chunks after demotion grow the hot buffer with the free pages instead of crawling at
+    # hot_rows / top-K = 2 rows a step (about 140 steps here); 12 pages leave room for a few rows.
+    assert engine.num_steps <= 60
     assert_pages_released(engine)
     off = make_engine(tiny_dir, num_gpu_pages=12, enable_prefix_cache=False)
     with pytest.raises(InvalidRequestError, match="KV pool"):
