@@ -32,6 +32,7 @@ _TOTALS = {
     "rows_copied_h2d": ("hisparse_miss_rows", "Row runs copied host to device."),
     "bytes_h2d": ("hisparse_h2d_bytes", "Bytes copied host to device for misses."),
     "pages_mirrored": ("hisparse_pages_mirrored", "Pages mirrored to the host pool."),
+    "rows_mirrored": ("hisparse_rows_mirrored", "Token rows (every layer) mirrored after the forward that wrote them."),
     "pages_demoted": ("hisparse_pages_demoted", "GPU pages freed by demotion (host copy kept)."),
     "pages_promoted": ("hisparse_pages_promoted", "Pages moved back to the GPU."),
     "mirror_skipped_host_full": ("hisparse_mirror_skipped_host_full", "Mirrors skipped: host pool full."),
@@ -45,6 +46,7 @@ _LEVELS = {
     "pages_free": ("hisparse_pages_free", "GPU pages on the free list."),
     "pages_cached": ("hisparse_pages_cached", "GPU pages kept only by the prefix cache."),
     "host_pages": ("hisparse_host_pages", "Pages of the pinned host pool."),
+    "mirror_backlog": ("hisparse_mirror_backlog", "Completed pages whose host copy is still in flight."),
     "host_pages_in_use": ("hisparse_host_pages_in_use", "Host pages held by requests."),
     "host_pages_cached": ("hisparse_host_pages_cached", "Host pages kept only by the host prefix cache."),
 }

@@ -288,7 +288,7 @@ class LLMEngine:
         if self.residency is not None:
             host = self.residency.host
             residency = dict(vars(self.residency.stats))
-            residency.update(host_pages=host.num_pages, host_pages_in_use=host.num_in_use(),
+            residency.update(mirror_backlog=self.residency.mirror_backlog, host_pages=host.num_pages, host_pages_in_use=host.num_in_use(),
                              host_pages_cached=host.cache.num_cached, hot_rows=self.residency.hot_rows)
         return {
             "policy": self.config.hisparse.policy,

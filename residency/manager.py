@@ -234,6 +234,11 @@ class ResidencyManager:
             if req.host_indexer_pages[j] is None and (j + 1) * per_idx <= len(req.page_hashes):
                 yield PageUse.INDEXER, j, req.indexer_pages[j], req.page_hashes[(j + 1) * per_idx - 1]
 
+    @property
+    def mirror_backlog(self) -> int:
+        """Completed pages whose host copy is still in flight (not yet demotable)."""
+        return sum(len(p.entries) for p in self._pending)
+
     def host_copy_of(self, req: PagedRequest, index: int) -> int | None:
         """The host page mirroring MLA page `index` of `req`, complete or still being written."""
         if index < len(req.host_pages) and req.host_pages[index] is not None:
