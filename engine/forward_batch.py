@@ -78,10 +78,18 @@ class ForwardBatch:
         """KV slots of the chosen positions [T, K]: in place for resident pages, hot slots otherwise."""
         rows = torch.arange(self.num_rows, device=positions.device)
         slots = self.mla_slots(rows, positions)
+        decode: list[tuple[int, NonResidentSpec]] = []  # one row each: resolved together in one call
         for b, spec in self.nonresident.items():
             start, end = self.row_ranges[b]
+            if end - start == 1:
+                decode.append((start, spec))
+                continue
             span = slice(start, end)
             slots[span] = self.residency.resolve_rows(spec, group, positions[span], lens[span], self.step)
+        if decode:
+            at = torch.tensor([row for row, _ in decode], device=positions.device)
+            specs = [spec for _, spec in decode]
+            slots[at] = self.residency.resolve_decode(specs, group, positions[at], lens[at], self.step)
         return slots
 
     def indexer_slots(self, req: int, num_tokens: int) -> torch.Tensor:

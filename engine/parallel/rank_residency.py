@@ -116,6 +116,47 @@ class RankResidency:
         self._counts += ResolveCounts(hits, misses, misses * self.group_run_bytes[group])
         return out
 
+    def resolve_decode(self, specs: Sequence[NonResidentSpec], group: int, positions: torch.Tensor,
+                       lens: torch.Tensor, step: int) -> torch.Tensor:
+        """KV slots [B, K] for one decode row of each of B requests, in one resolve for the group.
+
+        The requests' tables are stacked (padded: missing pages -1; missing hot slots look held and
+        used this step, so they are never victims), resolved together, and written back.
+        """
+        dev = self.pool.device
+        tables = [self.tables[s.request_id] for s in specs]
+        for t, s in zip(tables, specs):
+            t.ensure_capacity(s.num_tokens)
+        num_pages = max(s.gpu_pages.numel() for s in specs)
+        rows = max(t.hot_slots.numel() for t in tables)
+        capacity = max(t.pos_to_hot.shape[1] for t in tables)
+        b = len(specs)
+        gpu = torch.full((b, num_pages), -1, dtype=torch.int32, device=dev)
+        host = torch.full((b, num_pages), -1, dtype=torch.int32, device=dev)
+        hot_slots = torch.zeros((b, rows), dtype=torch.int32, device=dev)
+        slot_pos = torch.zeros((b, rows), dtype=torch.int32, device=dev)  # padding: "held" and used now
+        slot_stamp = torch.full((b, rows), step, dtype=torch.int64, device=dev)
+        pos_to_hot = torch.full((b, capacity), -1, dtype=torch.int32, device=dev)
+        for i, (t, s) in enumerate(zip(tables, specs)):
+            n, r, c = s.gpu_pages.numel(), t.hot_slots.numel(), t.pos_to_hot.shape[1]
+            gpu[i, :n], host[i, :n] = s.gpu_pages.to(dev), s.host_pages.to(dev)
+            hot_slots[i, :r], slot_pos[i, :r], slot_stamp[i, :r] = t.hot_slots, t.slot_pos[group], t.slot_stamp[group]
+            pos_to_hot[i, :c] = t.pos_to_hot[group]
+        result = self._resolve(
+            positions.to(torch.int32), lens.to(torch.int32), gpu, host, hot_slots, slot_pos, slot_stamp,
+            pos_to_hot, step, self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host,
+        )
+        for i, t in enumerate(tables):
+            r, c = t.hot_slots.numel(), t.pos_to_hot.shape[1]
+            t.slot_pos[group], t.slot_stamp[group], t.pos_to_hot[group] = slot_pos[i, :r], slot_stamp[i, :r], \
+                pos_to_hot[i, :c]
+        valid = torch.arange(positions.shape[1], device=dev)[None, :] < lens[:, None]
+        page = torch.where(valid, positions, 0).long() // PAGE_SIZE
+        non_resident = int((valid & (gpu.gather(1, page) < 0)).sum())
+        misses = int(result.num_copied.sum())
+        self._counts += ResolveCounts(non_resident - misses, misses, misses * self.group_run_bytes[group])
+        return result.kv_slots.long().clamp(min=0)
+
     def take_counts(self) -> ResolveCounts:
         """The resolve counts since the last call."""
         counts, self._counts = self._counts, ResolveCounts()
