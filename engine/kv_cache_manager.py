@@ -8,6 +8,8 @@ the whole prompt (its last token is always recomputed to produce logits).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.kv_layout import KVLayout
 from residency.manager import ResidencyManager
 from residency.page_pool import PagePool, PageUse
@@ -28,6 +30,8 @@ class KVCacheManager:
         self.cache = PrefixCache(self.pool)
         self.enable_prefix_cache = enable_prefix_cache
         self.residency: ResidencyManager | None = None  # set when a host tier exists
+        # Whole-page GPU copies on every rank (set by the engine): partial indexer pages are copied.
+        self.copy_pages: Callable[[list[int], list[int]], None] | None = None
         self.num_prefix_hit_tokens = 0
         self.num_prefix_queried_tokens = 0
 
@@ -84,12 +88,38 @@ class KVCacheManager:
         for page in mla + idx:
             self.cache.acquire(page)
         req.mla_pages, req.indexer_pages = list(mla), idx
-        if self.residency is not None and self.residency.config.policy == "hybrid":
-            self._extend_from_host(req, (len(tokens) - 1) // self.page_size)
+        if not self._extend_into_indexer_page(req, (len(tokens) - 1) // self.page_size):
+            if self.residency is not None and self.residency.config.policy == "hybrid":
+                self._extend_from_host(req, (len(tokens) - 1) // self.page_size)
         hit = len(req.mla_pages) * self.page_size
         self.num_prefix_queried_tokens += len(tokens)
         self.num_prefix_hit_tokens += hit
         return hit
+
+    def _extend_into_indexer_page(self, req: Request, max_pages: int) -> bool:
+        """Continues a GPU match past the last whole indexer page: the further cached MLA pages are
+        reused and the indexer page holding their keys is copied (it is found by alias through its
+        last MLA page; rows beyond the prefix are overwritten as the request computes them)."""
+        extra: list[int] = []
+        for h in req.page_hashes[len(req.mla_pages) : max_pages]:
+            page = self.cache.lookup(PageUse.MLA, h)
+            if page is None:
+                break
+            extra.append(page)
+        while extra:
+            source = self.cache.lookup_alias(PageUse.INDEXER, req.page_hashes[len(req.mla_pages) + len(extra) - 1])
+            if source is not None:
+                break
+            extra.pop()
+        if not extra or self.copy_pages is None or self.cache.num_available < 1:
+            return False
+        for page in extra:
+            self.cache.acquire(page)
+        [copy] = self.cache.allocate(1, PageUse.INDEXER)
+        self.copy_pages([source], [copy])
+        req.mla_pages += extra
+        req.indexer_pages.append(copy)
+        return True
 
     def _extend_from_host(self, req: Request, max_pages: int) -> None:
         """Continues a prefix match in the host pool: MLA pages stay host-only (the request starts
@@ -158,9 +188,19 @@ class KVCacheManager:
         per_idx = self.indexer_page_tokens // self.page_size
         for j in range(computed // self.indexer_page_tokens):
             self.cache.insert(req.indexer_pages[j], PageUse.INDEXER, req.page_hashes[(j + 1) * per_idx - 1])
+        for i in range(full):  # every completed MLA page names the indexer page holding its keys
+            self.cache.add_alias(req.indexer_pages[i // per_idx], PageUse.INDEXER, req.page_hashes[i])
 
     def free(self, req: Request) -> None:
-        """Releases every page of `req`, tail first so the tail is evicted first."""
+        """Releases every page of `req`, tail first so the tail is evicted first.
+
+        A partly filled last indexer page is kept in the cache (named by its last completed MLA
+        page), so the next turn of a conversation can copy its rows instead of recomputing them.
+        """
+        full = min(req.num_computed_tokens // self.page_size, len(req.page_hashes))
+        per_idx = self.indexer_page_tokens // self.page_size
+        if self.enable_prefix_cache and req.indexer_pages and full > (len(req.indexer_pages) - 1) * per_idx:
+            self.cache.insert(req.indexer_pages[-1], PageUse.INDEXER, req.page_hashes[full - 1])
         for page in reversed(req.indexer_pages):
             self.cache.release(page)
         for page in reversed(req.mla_pages):

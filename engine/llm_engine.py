@@ -102,6 +102,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.layout, num_pages, config.enable_prefix_cache)
         self.residency = self._build_residency(config.hisparse)
         self.kv.residency = self.runner.residency = self.residency
+        self.kv.copy_pages = self.executor.copy_pages
         sched_cfg = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.kv, make_policy(config.hisparse.policy, self.residency))
         self.state_counter = StateCounter()

@@ -5,7 +5,9 @@ tokens chained with the hash of the page before it, so equal hashes mean equal
 whole prefixes. An indexer page is identified by the chained hash of the last
 MLA page it covers. Cached pages whose last user left stay in use, unreferenced
 and evictable, least recently released first; allocation evicts them only when
-the free list runs short.
+the free list runs short. An indexer page is also reachable by alias, through
+every MLA page inside it, so a prefix that ends inside it can copy its rows;
+aliases die with the page.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class PrefixCache:
         self.pool = pool
         self._page_of: dict[PageKey, int] = {}
         self._key_of: dict[int, PageKey] = {}
+        self._alias_page: dict[PageKey, int] = {}
+        self._aliases_of: dict[int, list[PageKey]] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.num_evicted = 0
 
@@ -67,13 +71,28 @@ class PrefixCache:
         self._key_of[page] = (use, key)
         return True
 
+    def add_alias(self, page: int, use: PageUse, key: bytes) -> None:
+        """Names a page by a prefix it covers only in part (an indexer page by an MLA page inside it),
+        for reading while the page lives; the first page named so keeps the alias."""
+        if (use, key) not in self._alias_page:
+            self._alias_page[(use, key)] = page
+            self._aliases_of.setdefault(page, []).append((use, key))
+
+    def lookup_alias(self, use: PageUse, key: bytes) -> int | None:
+        return self._alias_page.get((use, key))
+
+    def _free(self, page: int) -> None:
+        for alias in self._aliases_of.pop(page, ()):
+            del self._alias_page[alias]
+        self.pool.free(page)
+
     def release(self, page: int) -> None:
         if self.pool.decref(page):
             return
         if page in self._key_of:
             self._evictable[page] = None
         else:
-            self.pool.free(page)
+            self._free(page)
 
     def allocate(self, n: int, use: PageUse) -> list[int]:
         """`n` fresh pages, evicting least recently released cached pages if needed."""
@@ -82,7 +101,7 @@ class PrefixCache:
         while self.pool.num_free < n:
             page, _ = self._evictable.popitem(last=False)
             del self._page_of[self._key_of.pop(page)]
-            self.pool.free(page)
+            self._free(page)
             self.num_evicted += 1
         return self.pool.allocate(n, use)
 
@@ -91,7 +110,7 @@ class PrefixCache:
         while self._evictable:
             page, _ = self._evictable.popitem(last=False)
             del self._page_of[self._key_of.pop(page)]
-            self.pool.free(page)
+            self._free(page)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
@@ -100,6 +119,8 @@ class PrefixCache:
             assert self.pool.use_of(page) is key[0]
         for page in self._evictable:
             assert page in self._key_of and self.pool.refs(page) == 0
+        for alias, page in self._alias_page.items():
+            assert self.pool.use_of(page) is alias[0] and alias in self._aliases_of[page]
         for page in range(self.pool.num_pages):
             if self.pool.use_of(page) is not None and self.pool.refs(page) == 0:
                 assert page in self._evictable, f"page {page} unreferenced but neither free nor evictable"

@@ -49,14 +49,32 @@ def test_prefix_cache_reuse_gives_same_tokens(tiny_dir: Path) -> None:
     second = shared + _prompt(30, 9)
     [a] = engine.generate([first], [greedy(8)])
     assert a.num_cached_tokens == 0
+    recorder = LogitsRecorder(engine)
     [b] = engine.generate([second], [greedy(8)])
-    assert b.num_cached_tokens == per_page  # reuse in whole indexer pages
-    assert engine.stats()["prefix_cache_hit_tokens"] == per_page
+    # every whole MLA page of the shared prefix: the partly used indexer page is copied, not recomputed
+    reused = len(shared) // 64 * 64
+    assert reused > per_page and b.num_cached_tokens == reused
+    assert engine.stats()["prefix_cache_hit_tokens"] == reused
     fresh = make_engine(tiny_dir, enable_prefix_cache=False)
+    fresh_recorder = LogitsRecorder(fresh)
     [c] = fresh.generate([second], [greedy(8)])
     assert b.token_ids == c.token_ids
+    torch.testing.assert_close(recorder.of(b.request_id), fresh_recorder.of(c.request_id), rtol=1e-5, atol=1e-5)
     assert_pages_released(engine)
     assert engine.kv.cache.num_cached > 0
+
+
+def test_next_turn_reuses_its_whole_conversation(tiny_dir: Path) -> None:
+    """Turn 2 = turn 1's prompt + reply + new text: everything but the tail page is reused."""
+    engine = make_engine(tiny_dir)
+    turn1 = _prompt(300, 21)
+    [first] = engine.generate([turn1], [greedy(12)])
+    turn2 = turn1 + first.token_ids + _prompt(25, 22)
+    [second] = engine.generate([turn2], [greedy(6)])
+    assert second.num_cached_tokens == (len(turn1) + len(first.token_ids) - 1) // 64 * 64
+    [ref] = make_engine(tiny_dir, enable_prefix_cache=False).generate([turn2], [greedy(6)])
+    assert second.token_ids == ref.token_ids
+    assert_pages_released(engine)
 
 
 def test_preemption_under_pressure_is_lossless(tiny_dir: Path) -> None:

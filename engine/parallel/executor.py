@@ -86,6 +86,10 @@ class Executor(ABC):
         """Whole GPU pages as one CPU tensor [n, page_bytes] (read from one rank: all hold the same)."""
 
     @abstractmethod
+    def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Every rank copies whole GPU pages to other GPU pages before its next step."""
+
+    @abstractmethod
     def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
         """Every rank writes `data` [n, page_bytes] into the GPU pages before its next step."""
 
@@ -155,6 +159,9 @@ class LocalExecutor(Executor):
 
     def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
         self.worker.write_pages(gpu_ids, data)
+
+    def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        self.worker.copy_pages(src_ids, dst_ids)
 
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
         self.worker.open_lease(request_id, pages, capacity)

@@ -55,7 +55,7 @@ class RemoteWorker:
 
     CALLS = frozenset({
         "memory_info", "init_kv_pool", "attach_host_pool", "execute_model", "mirror_pages", "mirror_rows",
-        "load_pages", "read_pages", "write_pages",
+        "load_pages", "read_pages", "write_pages", "copy_pages",
         "open_lease", "close_lease", "lease_digests", "sync", "fence",
     })
 
@@ -127,6 +127,9 @@ class RemoteWorker:
 
     def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
         self.worker.write_pages(gpu_ids, data)
+
+    def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        self.worker.copy_pages(src_ids, dst_ids)
 
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
         self.worker.open_lease(request_id, pages, capacity)
@@ -258,6 +261,9 @@ class RemoteExecutor(Executor):
 
     def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
         self._run(self._ranks, ("write_pages", (list(gpu_ids), data.contiguous())), wait=False)
+
+    def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        self._run(self._ranks, ("copy_pages", (list(src_ids), list(dst_ids))), wait=False)
 
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
         self._run(self._ranks, ("open_lease", (request_id, list(pages), capacity)), wait=False)

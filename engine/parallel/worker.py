@@ -114,6 +114,10 @@ class Worker:
         """Whole pages of this rank's pool, on the CPU (every rank holds the same bytes)."""
         return self.kv_pool[torch.tensor(list(gpu_ids), dtype=torch.long, device=self.device)].cpu()
 
+    def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        idx = [torch.tensor(list(ids), dtype=torch.long, device=self.device) for ids in (src_ids, dst_ids)]
+        self.kv_pool[idx[1]] = self.kv_pool[idx[0]]
+
     def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
         self.kv_pool[torch.tensor(list(gpu_ids), dtype=torch.long, device=self.device)] = data.to(self.device)
 
