@@ -1,9 +1,11 @@
 """Pages of each request: prefix matching at admission, growth per step, caching, release.
 
 Every request holds an MLA page per 64 tokens and an indexer page per
-`indexer_tokens_per_page` tokens. Reuse goes through the prefix cache in whole
-indexer pages (a reused prefix needs its MLA rows and its indexer keys), never
-the whole prompt (its last token is always recomputed to produce logits).
+`indexer_tokens_per_page` tokens. A reused prefix needs its MLA rows and its
+indexer keys: it is reused in whole MLA pages, sharing whole indexer pages and
+copying the one it ends inside (found by alias), never the whole prompt (its last
+token is always recomputed to produce logits). Transfers between engines and
+reuse from the host tier still move whole indexer pages.
 """
 
 from __future__ import annotations
