@@ -5,7 +5,9 @@ A request's page table maps each logical MLA page to a GPU page, a host page,
 or both (`mla_pages[i]` / `host_pages[i]`, None where absent). Derived state:
 full (every page on GPU), mixed (some pages host-only, hot buffer leased),
 none (every completed page host-only). Indexer pages of running requests stay
-on the GPU. Every transition keeps both pools' reference counts exact.
+on the GPU. Under `hybrid` every forward's new rows are mirrored to the host
+copy of their page right after it, so completed pages are always demotable
+without a copy. Every transition keeps both pools' reference counts exact.
 
 Decisions are made here, once per replica; the bytes move through a
 `PoolExecutor`: the engine's executor, which has every tensor-parallel rank
@@ -193,7 +195,9 @@ class ResidencyManager:
         self.mirror_completed([req for req, _, _ in steps])
 
     def mirror_completed(self, requests: list[PagedRequest]) -> None:
-        """Queues every completed, not yet mirrored page of `requests` to host, in one launch."""
+        """Catch-up after `mirror_step`: completed pages with no host copy yet (reused from the GPU
+        prefix cache, completed indexer pages, pages the host pool was too full for) go to host in
+        one launch, or share a host page that already holds the same prefix."""
         in_flight = {(id(p.request), e[0], e[1]) for p in self._pending for e in p.entries}
         gpu_ids: list[int] = []
         host_ids: list[int] = []
