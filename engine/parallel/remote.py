@@ -53,10 +53,12 @@ def rank_device(device_type: str, index: int) -> torch.device:
 class RemoteWorker:
     """A rank in a worker process: a `Worker` in a process group, driven by named calls."""
 
-    CALLS = frozenset({
-        "memory_info", "init_kv_pool", "attach_host_pool", "execute_model", "mirror_pages", "mirror_rows",
-        "load_pages", "read_pages", "write_pages", "copy_pages",
-        "open_lease", "close_lease", "lease_digests", "sync", "fence",
+    # Calls this class adapts to the process (shared buffers, events, collectives) ...
+    CALLS = frozenset({"attach_host_pool", "execute_model", "mirror_pages", "sync", "fence"})
+    # ... and calls the rank's `Worker` answers as it is.
+    FORWARDED = frozenset({
+        "memory_info", "init_kv_pool", "mirror_rows", "load_pages", "read_pages", "write_pages", "copy_pages", "open_lease",
+        "close_lease", "lease_digests",
     })
 
     def __init__(self, spec: WorkerSpec, rank: int, device: torch.device, dist_url: str,
@@ -73,21 +75,17 @@ class RemoteWorker:
         self._mirrors: list[torch.cuda.Event] = []
 
     def handle(self, method: str, args: tuple[Any, ...]) -> Any:  # noqa: ANN401 - per-call results
-        if method not in self.CALLS:
-            raise ValueError(f"unknown worker call {method!r}")
-        return getattr(self, method)(*args)
+        if method in self.CALLS:
+            return getattr(self, method)(*args)
+        if method in self.FORWARDED:
+            return getattr(self.worker, method)(*args)
+        raise ValueError(f"unknown worker call {method!r}")
 
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
     # --- calls -----------------------------------------------------------------------
-
-    def memory_info(self) -> tuple[int, int]:
-        return self.worker.memory_info()
-
-    def init_kv_pool(self, num_pages: int) -> None:
-        self.worker.init_kv_pool(num_pages)
 
     def attach_host_pool(self, host: SharedTensorHandle) -> None:
         self.worker.attach_host_pool(host.attach(pin=self.worker.device.type == "cuda"))
@@ -105,9 +103,6 @@ class RemoteWorker:
         if event is not None:
             self._mirrors.append(event)
 
-    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> None:
-        self.worker.mirror_rows(gpu_ids, host_ids, tokens)
-
     def sync(self) -> None:
         """Finishes this rank's outstanding mirrors (and its device work, on CUDA)."""
         for event in self._mirrors:
@@ -118,27 +113,6 @@ class RemoteWorker:
 
     def fence(self) -> None:
         dist.barrier()
-
-    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
-        self.worker.load_pages(host_ids, gpu_ids)
-
-    def read_pages(self, gpu_ids: Sequence[int]) -> torch.Tensor:
-        return self.worker.read_pages(gpu_ids)
-
-    def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
-        self.worker.write_pages(gpu_ids, data)
-
-    def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-        self.worker.copy_pages(src_ids, dst_ids)
-
-    def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
-        self.worker.open_lease(request_id, pages, capacity)
-
-    def close_lease(self, request_id: str) -> None:
-        self.worker.close_lease(request_id)
-
-    def lease_digests(self) -> dict[str, str]:
-        return self.worker.lease_digests()
 
 
 class SyncTicket(CopyTicket):
