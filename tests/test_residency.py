@@ -43,15 +43,20 @@ def ample_run(tiny_dir: Path):
     return prompts, [o.token_ids for o in outs], [recorder.of(o.request_id) for o in outs]
 
 
-@pytest.mark.parametrize("policy", ["hybrid", "offload", "preempt"])
-def test_pressure_is_lossless(tiny_dir: Path, ample_run, policy: str) -> None:
+def _assert_matches_ample(engine: LLMEngine, ample_run) -> None:  # noqa: ANN001
+    """Runs the ample run's prompts on `engine`: same greedy tokens, logits within 1e-4."""
     prompts, tokens, logits = ample_run
-    engine = _engine(tiny_dir, policy)
     recorder = LogitsRecorder(engine)
     outs = engine.generate(prompts, [greedy(NEW_TOKENS)] * len(prompts))
     assert [o.token_ids for o in outs] == tokens
     for out, ref in zip(outs, logits):
         torch.testing.assert_close(recorder.of(out.request_id), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "preempt"])
+def test_pressure_is_lossless(tiny_dir: Path, ample_run, policy: str) -> None:
+    engine = _engine(tiny_dir, policy)
+    _assert_matches_ample(engine, ample_run)
     stats = engine.stats()
     if policy == "hybrid":
         assert stats["pages_demoted"] > 0 and stats["pages_mirrored"] > 0
@@ -227,16 +232,11 @@ def test_hybrid_runs_a_request_longer_than_the_gpu_pool(tiny_dir: Path) -> None:
 def test_hybrid_parks_instead_of_preempting_when_demotion_is_not_enough(tiny_dir: Path, ample_run) -> None:
     """A hot buffer too big to pay off leaves parking: mirrored pages stay on host, the tail and the
     indexer pages follow within the offload budget, and the request resumes without recomputing."""
-    prompts, tokens, logits = ample_run
     outcomes = {}
     for offload_gib in (0.01, 0.0):
         hs = HiSparseConfig(policy="hybrid", host_pool_gib=0.05, offload_pool_gib=offload_gib, hot_rows=512)
         engine = make_engine(tiny_dir, num_gpu_pages=TIGHT_PAGES, enable_prefix_cache=False, hisparse=hs)
-        recorder = LogitsRecorder(engine)
-        outs = engine.generate(prompts, [greedy(NEW_TOKENS)] * len(prompts))
-        assert [o.token_ids for o in outs] == tokens
-        for out, ref in zip(outs, logits):
-            torch.testing.assert_close(recorder.of(out.request_id), ref, rtol=1e-4, atol=1e-4)
+        _assert_matches_ample(engine, ample_run)
         stats = engine.stats()
         outcomes[offload_gib] = (stats["swaps"], stats["preemptions"])
         assert_pages_released(engine)
