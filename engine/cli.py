@@ -72,7 +72,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def _read_requests(args: argparse.Namespace, engine: LLMEngine) -> list[dict[str, Any]]:
+def _read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.requests is not None:
         lines = [ln for ln in Path(args.requests).read_text().splitlines() if ln.strip()]
         return [json.loads(ln) for ln in lines]
@@ -122,7 +122,7 @@ def _with_engine(run: Callable[[LLMEngine, argparse.Namespace], int], args: argp
 
 def cmd_generate(engine: LLMEngine, args: argparse.Namespace) -> int:
     try:
-        specs = _read_requests(args, engine)
+        specs = _read_requests(args)
     except (InvalidRequestError, json.JSONDecodeError) as exc:
         print(json.dumps({"error": str(exc)}) if args.json else f"error: {exc}", file=sys.stderr)
         return 2
