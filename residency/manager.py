@@ -186,23 +186,25 @@ class ResidencyManager:
                     completing.append((PageUse.MLA, i, host_page, req.page_hashes[i]))
             if completing:
                 self._pending.append(_PendingMirror(req, completing, None))
-        if whole:
-            self.executor.mirror_pages([w[0] for w in whole], [w[1] for w in whole])
-            self.stats.pages_mirrored += len(whole)
+        self._catch_up([req for req, _, _ in steps], whole)
+        ticket = None  # of the last copy issued: the others are done no later (rows are copied in order)
         if rows:
-            self.executor.mirror_rows(*zip(*rows))
+            ticket = self.executor.mirror_rows(*zip(*rows))
             self.stats.rows_mirrored += len(rows)
-        self.mirror_completed([req for req, _, _ in steps])
+        if whole:
+            ticket = self.executor.mirror_pages([w[0] for w in whole], [w[1] for w in whole])
+            self.stats.pages_mirrored += len(whole)
+        for pending in self._pending:
+            if pending.ticket is None:
+                pending.ticket = ticket
+        self.poll()
 
-    def mirror_completed(self, requests: list[PagedRequest]) -> None:
-        """Catch-up after `mirror_step`: completed pages with no host copy yet (reused from the GPU
-        prefix cache, completed indexer pages, pages the host pool was too full for) go to host in
-        one launch, or share a host page that already holds the same prefix."""
+    def _catch_up(self, requests: list[PagedRequest], whole: list[tuple[int, int]]) -> None:
+        """Completed pages with no host copy yet (reused from the GPU prefix cache, completed indexer
+        pages, pages the host pool was too full for) join `whole`, or share a host page that already
+        holds the same prefix."""
         in_flight = {(id(p.request), e[0], e[1]) for p in self._pending for e in p.entries}
-        gpu_ids: list[int] = []
-        host_ids: list[int] = []
         for req in requests:
-            self.align(req)
             entries: list[tuple[PageUse, int, int, bytes]] = []
             for use, index, gpu_page, key in self._mirror_candidates(req):
                 if (id(req), use, index) in in_flight:
@@ -217,16 +219,9 @@ class ResidencyManager:
                     continue
                 [host_page] = self.host.cache.allocate(1, use)
                 entries.append((use, index, host_page, key))
-                gpu_ids.append(gpu_page)
-                host_ids.append(host_page)
+                whole.append((gpu_page, host_page))
             if entries:
                 self._pending.append(_PendingMirror(req, entries, None))
-        ticket = self.executor.mirror_pages(gpu_ids, host_ids)  # also the ticket of this step's rows
-        for pending in self._pending:
-            if pending.ticket is None:
-                pending.ticket = ticket
-        self.stats.pages_mirrored += len(gpu_ids)
-        self.poll()
 
     def _mirror_candidates(self, req: PagedRequest):  # noqa: ANN202 - iterator of tuples
         completed = req.num_computed_tokens // PAGE_SIZE
@@ -382,8 +377,6 @@ class ResidencyManager:
             req.host_pages[key[1]] = self._partial.pop(key)
         todo = [(PageUse.MLA, i, p) for i, p in enumerate(req.mla_pages) if req.host_pages[i] is None]
         todo += [(PageUse.INDEXER, j, p) for j, p in enumerate(req.indexer_pages) if req.host_indexer_pages[j] is None]
-        if any(p is None for _, _, p in todo):
-            return False  # a host-only page without a host copy cannot happen; refuse rather than lose it
         indexer = sum(1 for use, _, _ in todo if use is PageUse.INDEXER)
         if len(todo) > self.host.cache.num_available or not self._indexer_budget_allows(indexer):
             return False
