@@ -27,6 +27,19 @@ from engine.model_config import ModelConfig
 from engine.parallel.tensor_parallel import TensorParallel
 
 
+@dataclass(frozen=True)
+class StepContext:
+    """What every layer of one forward reads: the batch, its rotary tables, the page pool, its
+    layout and the ops that read it."""
+
+    batch: ForwardBatch
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kv_pool: torch.Tensor
+    layout: KVLayout
+    ops: AttentionOps
+
+
 @dataclass
 class Selection:
     """Top-K choice of a full layer, shared by its group: slots [T, K] valid up to lens [T]."""
@@ -50,24 +63,14 @@ class Indexer(nn.Module):
         r = self.cfg.qk_rope_head_dim
         return torch.cat([apply_rope(x[..., :r], cos, sin, self.cfg.rope_interleave), x[..., r:]], dim=-1)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        q_latent: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        kv_pool: torch.Tensor,
-        layout: KVLayout,
-        full_index: int,
-        ops: AttentionOps,
-    ) -> Selection:
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, ctx: StepContext, full_index: int) -> Selection:
         cfg = self.cfg
+        batch, cos, sin, layout, ops = ctx.batch, ctx.cos, ctx.sin, ctx.layout, ctx.ops
         q = self._rope(self.wq_b(q_latent).view(-1, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * cfg.index_n_heads**-0.5
 
-        view = layout.indexer_layer_view(kv_pool, full_index)
+        view = layout.indexer_layer_view(ctx.kv_pool, full_index)
         per_page = view.shape[1]
         ws = batch.indexer_write_slots
         view[ws // per_page, ws % per_page] = layout.encode_indexer(k)
@@ -104,18 +107,9 @@ class MLAAttention(nn.Module):
         self.indexer = Indexer(cfg) if cfg.indexer_types[layer] == "full" else None
         self.scale = cfg.qk_head_dim**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        kv_pool: torch.Tensor,
-        layout: KVLayout,
-        ops: AttentionOps,
-        shared: Selection | None,
-    ) -> tuple[torch.Tensor, Selection]:
+    def forward(self, x: torch.Tensor, ctx: StepContext, shared: Selection | None) -> tuple[torch.Tensor, Selection]:
         cfg = self.cfg
+        batch, cos, sin, layout = ctx.batch, ctx.cos, ctx.sin, ctx.layout
         h, dn, dv, dl = self.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(-1, h, cfg.qk_head_dim)
@@ -124,13 +118,13 @@ class MLAAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([dl, cfg.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         k_rope = apply_rope(k_rope, cos, sin, cfg.rope_interleave)
-        view = layout.mla_layer_view(kv_pool, self.layer)
+        view = layout.mla_layer_view(ctx.kv_pool, self.layer)
         ws = batch.mla_write_slots
         view[ws // layout.page_size, ws % layout.page_size] = layout.encode_mla(latent, k_rope)
 
         if self.indexer is not None:
             full_index = layout.layer_group[self.layer]
-            selection = self.indexer(x, q_latent, cos, sin, batch, kv_pool, layout, full_index, ops)
+            selection = self.indexer(x, q_latent, ctx, full_index)
         elif shared is None:
             raise ValueError(f"shared layer {self.layer} has no full indexer layer before it")
         else:
@@ -138,6 +132,7 @@ class MLAAttention(nn.Module):
 
         w = self.kv_b_proj.weight.view(h, dn + dv, dl)
         q_abs = torch.einsum("thd,hdc->thc", q_nope, w[:, :dn, :])
-        out_latent = ops.sparse_mla(torch.cat([q_abs, q_rope], dim=-1), view, selection.slots, selection.lens, self.scale)
+        q_cat = torch.cat([q_abs, q_rope], dim=-1)
+        out_latent = ctx.ops.sparse_mla(q_cat, view, selection.slots, selection.lens, self.scale)
         out = torch.einsum("thc,hvc->thv", out_latent.to(x.dtype), w[:, dn:, :])
         return self.o_proj(out.reshape(-1, h * dv)), selection

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import MLAAttention, Selection
+from engine.attention import MLAAttention, Selection, StepContext
 from engine.attention_ops import AttentionOps
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
@@ -36,18 +36,8 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, tp.local(cfg.intermediate_size, "intermediate_size"))
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        batch: ForwardBatch,
-        kv_pool: torch.Tensor,
-        layout: KVLayout,
-        ops: AttentionOps,
-        shared: Selection | None,
-    ) -> tuple[torch.Tensor, Selection]:
-        attn, selection = self.self_attn(self.input_layernorm(x), cos, sin, batch, kv_pool, layout, ops, shared)
+    def forward(self, x: torch.Tensor, ctx: StepContext, shared: Selection | None) -> tuple[torch.Tensor, Selection]:
+        attn, selection = self.self_attn(self.input_layernorm(x), ctx, shared)
         x = x + self.tp.all_reduce(attn)
         return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x))), selection
 
@@ -86,7 +76,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
         states [S, hidden] of the sampled rows; ranks that return no logits stop here."""
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
+        ctx = StepContext(batch, cos, sin, kv_pool, layout, ops)
         selection: Selection | None = None
         for layer in self.model.layers:
-            x, selection = layer(x, cos, sin, batch, kv_pool, layout, ops, selection)
+            x, selection = layer(x, ctx, selection)
         return self.model.norm(x[batch.logits_rows])
