@@ -113,7 +113,7 @@ class KVCacheManager:
             if source is not None:
                 break
             extra.pop()
-        if not extra or self.copy_pages is None or self.cache.num_available < 1:
+        if not extra or self.copy_pages is None or self.cache.num_available < 1 + self.cache.revival_cost(extra):
             return False
         for page in extra:
             self.cache.acquire(page)
@@ -146,7 +146,8 @@ class KVCacheManager:
         found = found[: max(keep_mla, 0)]
         idx_found = idx_found[: (len(req.mla_pages) + len(found)) // per_idx - len(req.indexer_pages)]
         copies = sum(1 for gpu, _ in idx_found if gpu is None)
-        if not found or copies + self.residency.hot_pages_per_lease > self.cache.num_available:
+        revived = self.cache.revival_cost([gpu for gpu, _ in idx_found if gpu is not None])
+        if not found or copies + revived + self.residency.hot_pages_per_lease > self.cache.num_available:
             return
         for _, hp in found:
             host.cache.acquire(hp)

@@ -58,6 +58,10 @@ class PrefixCache:
     def lookup(self, use: PageUse, key: bytes) -> int | None:
         return self._page_of.get((use, key))
 
+    def revival_cost(self, pages: Sequence[int]) -> int:
+        """Available pages that acquiring `pages` would use up: the evictable ones among them."""
+        return sum(1 for page in set(pages) if page in self._evictable)
+
     def acquire(self, page: int) -> None:
         """Takes a reference to a cached page (reviving it if it was evictable)."""
         self._evictable.pop(page, None)

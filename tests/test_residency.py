@@ -269,3 +269,46 @@ def test_new_rows_are_mirrored_after_every_forward(tiny_dir: Path) -> None:
     assert residency.stats.rows_mirrored > 0
     assert_pages_released(engine)
     assert residency.host.num_in_use() == 0
+
+
+def _multi_turn(engine: LLMEngine, conversations: int, turns: int) -> dict[str, list[int]]:
+    """Closed-loop agent conversations (a turn starts when the previous one ends), checking accounting
+    after every step; returns each turn's greedy tokens."""
+    history = {c: _prompt(700 + 37 * c, 100 + c) for c in range(conversations)}  # over one indexer page
+    turn_of = dict.fromkeys(history, 0)
+    tokens: dict[str, list[int]] = {}
+    for c in history:
+        engine.add_request(f"c{c}-t0", list(history[c]), greedy(8))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if not out.finished:
+                continue
+            c = int(out.request_id[1:].split("-")[0])
+            tokens[out.request_id] = out.token_ids
+            turn_of[c] += 1
+            if turn_of[c] < turns:
+                history[c] += out.token_ids + _prompt(30, 1000 * c + turn_of[c])
+                engine.add_request(f"c{c}-t{turn_of[c]}", list(history[c]), greedy(8))
+        engine.check_integrity()
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def multi_turn_ample(tiny_dir: Path) -> dict[str, list[int]]:
+    return _multi_turn(make_engine(tiny_dir, enable_prefix_cache=False), conversations=6, turns=3)
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "preempt"])
+def test_multi_turn_agents_under_pressure_reuse_prefixes_losslessly(tiny_dir: Path, multi_turn_ample,
+                                                                    policy: str) -> None:
+    """Later turns find their history in the prefix caches (GPU, and host under `hybrid`) while other
+    conversations hold most pages; reviving cached pages never overdraws the pool, and every turn's
+    tokens equal an ample run with no prefix cache."""
+    hs = HiSparseConfig(policy=policy, host_pool_gib=0.1 if policy != "preempt" else 0.0)
+    engine = make_engine(tiny_dir, num_gpu_pages=24, hisparse=hs, enable_prefix_cache=True)
+    assert _multi_turn(engine, conversations=6, turns=3) == multi_turn_ample
+    stats = engine.stats()
+    if policy == "hybrid":  # only the host tier keeps histories this pool cannot hold
+        assert stats["prefix_cache_hit_tokens"] > 0
+        assert stats["pages_demoted"] > 0 and stats["hot_misses"] > 0
+    assert_pages_released(engine)
