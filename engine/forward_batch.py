@@ -85,7 +85,7 @@ class ForwardBatch:
                 decode.append((start, spec))
                 continue
             span = slice(start, end)
-            slots[span] = self.residency.resolve_rows(spec, group, positions[span], lens[span], self.step)
+            self.residency.resolve_rows(spec, group, positions[span], lens[span], self.step, slots[span])
         if decode:
             at = torch.tensor([row for row, _ in decode], device=positions.device)
             specs = [spec for _, spec in decode]

@@ -26,6 +26,9 @@ from kernels import page_mirror, resolve
 from residency.hot_buffer import PAGE_SIZE, HotTables
 from residency.manager import ResolveCounts
 
+# Host-only positions of one request's rows resolved per call: bounds the plan launch's tile.
+_UNION_PIECE = 4096
+
 
 class RankResidency:
     def __init__(self, layout: KVLayout, pool: torch.Tensor, host: torch.Tensor) -> None:
@@ -87,34 +90,43 @@ class RankResidency:
     # --- lookups for non-resident tokens ----------------------------------------------
 
     def resolve_rows(self, spec: NonResidentSpec, group: int, positions: torch.Tensor, lens: torch.Tensor,
-                     step: int) -> torch.Tensor:
-        """KV slots [n, K] for the top-K positions of one request's query rows, loading misses into its
-        hot rows.
+                     step: int, slots: torch.Tensor) -> None:
+        """Points `slots` [n, K] (the rows' in-place slots) at hot slots for the top-K positions of
+        one request's query rows that live only on host, loading misses into its hot rows.
 
-        Rows are resolved one after another with the same step stamp, so rows of
-        one step never evict each other's hot slots (the scheduler keeps
-        rows x top-K within the hot rows).
+        The rows' host-only selections are merged into one sorted union and resolved in pieces of
+        at most `_UNION_PIECE` positions (and never more than the hot rows) under one step stamp,
+        so no piece evicts a slot the step already uses: a step loads each host-only token at most
+        once, and the scheduler sizes the hot buffer for the step's union. Rows read their slots
+        back through the union's inverse map.
         """
         tables = self.tables[spec.request_id]
         tables.ensure_capacity(spec.num_tokens)
         dev = self.pool.device
         gpu, host = spec.gpu_pages.to(dev)[None], spec.host_pages.to(dev)[None]
-        out = torch.empty(positions.shape, dtype=torch.long, device=dev)
-        hits = misses = 0
-        for r in range(positions.shape[0]):
+        valid = torch.arange(positions.shape[1], device=dev)[None, :] < lens[:, None]
+        valid &= gpu[0, torch.where(valid, positions, 0) // PAGE_SIZE] < 0
+        union, inverse = torch.unique(positions[valid], return_inverse=True)
+        if union.numel() == 0:
+            return
+        piece = min(_UNION_PIECE, tables.hot_slots.numel())
+        union_slots = torch.empty(union.numel(), dtype=torch.long, device=dev)
+        copied = torch.zeros((), dtype=torch.long, device=dev)
+        padded = torch.zeros(piece, dtype=torch.int32, device=dev)  # one shape per lease: one compiled plan
+        for begin in range(0, union.numel(), piece):
+            part = union[begin : begin + piece]
+            padded[: part.numel()] = part
             result = self._resolve(
-                positions[r : r + 1].to(torch.int32), lens[r : r + 1].to(torch.int32), gpu, host,
+                padded[None], torch.tensor([part.numel()], dtype=torch.int32, device=dev), gpu, host,
                 tables.hot_slots[None], tables.slot_pos[group : group + 1], tables.slot_stamp[group : group + 1],
                 tables.pos_to_hot[group : group + 1], step, self.group_offsets[group],
                 self.group_run_bytes[group], self.pool, self.host,
             )
-            out[r] = result.kv_slots[0].long().clamp(min=0)
-            copied = int(result.num_copied.sum())
-            valid = positions[r, : int(lens[r])]
-            misses += copied
-            hits += int((gpu[0, valid // PAGE_SIZE] < 0).sum()) - copied
-        self._counts += ResolveCounts(hits, misses, misses * self.group_run_bytes[group])
-        return out
+            union_slots[begin : begin + part.numel()] = result.kv_slots[0, : part.numel()].long()
+            copied += result.num_copied.sum()
+        slots[valid] = union_slots[inverse].clamp(min=0)
+        misses = int(copied)
+        self._counts += ResolveCounts(int(valid.sum()) - misses, misses, misses * self.group_run_bytes[group])
 
     def resolve_decode(self, specs: Sequence[NonResidentSpec], group: int, positions: torch.Tensor,
                        lens: torch.Tensor, step: int) -> torch.Tensor:
