@@ -170,6 +170,13 @@ class Scheduler:
                 return False
         return True
 
+    def _admit_pages(self, req: Request, num_tokens: int) -> bool:
+        """Pages for a waiting request's first chunk, freed by the policy if it can (never by preempting)."""
+        if self.kv.allocate(req, num_tokens):
+            return True
+        needed = self.kv.pages_needed(req, num_tokens) - self.kv.num_available
+        return self.policy.admit_room(self, needed) and self.kv.allocate(req, num_tokens)
+
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -178,7 +185,7 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = hit
             num_new = self._chunk(req, budget)
-            if not self.kv.allocate(req, hit + num_new):
+            if not self._admit_pages(req, hit + num_new):
                 self.kv.free(req)
                 req.num_computed_tokens = 0
                 break

@@ -2,7 +2,8 @@
 
 - `hybrid`: demote running requests whose completed pages are already mirrored
   (their GPU pages free at once, no copy on the critical path), lease them hot
-  buffers, keep their tails; when that is not enough, park the most recently
+  buffers, keep their tails; a waiting request that does not fit is admitted by
+  demoting decoding requests the same way; when that is not enough, park the most recently
   admitted request (its mirrored pages stay on host, its tail and indexer pages
   follow within `offload_pool_gib`; it resumes with just those back on GPU), and
   preempt only when the host cannot take it. When pages
@@ -42,6 +43,11 @@ class PressurePolicy(Protocol):
         """Runs before each step's scheduling: moves pages back when memory allows."""
         ...
 
+    def admit_room(self, scheduler: SchedulerView, needed: int) -> bool:
+        """Frees pages towards `needed` so a waiting request can start; True when enough were freed.
+        Never parks or preempts: a running request is not traded for a waiting one."""
+        ...
+
 
 class PreemptPolicy:
     def make_room(self, scheduler: SchedulerView, needed: int, requester: PagedRequest) -> bool:
@@ -51,6 +57,9 @@ class PreemptPolicy:
 
     def rebalance(self, scheduler: SchedulerView) -> None:
         return None
+
+    def admit_room(self, scheduler: SchedulerView, needed: int) -> bool:
+        return False
 
 
 class HybridPolicy:
@@ -66,9 +75,16 @@ class HybridPolicy:
             return True
         return OffloadPolicy().make_room(scheduler, needed, requester)  # park the newest, else preempt
 
-    def _demote(self, scheduler: SchedulerView, needed: int) -> int:
+    def admit_room(self, scheduler: SchedulerView, needed: int) -> bool:
+        """Demotes decoding requests (their prompts done, so only their decode rows pay misses) to
+        let a waiting request start: this is where hybrid's concurrency comes from."""
+        decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        return self._demote(scheduler, needed, decoding) >= needed
+
+    def _demote(self, scheduler: SchedulerView, needed: int, candidates: list | None = None) -> int:
         freed = 0
-        for req in sorted(scheduler.running, key=self.residency.demotion_gain, reverse=True):
+        pool = scheduler.running if candidates is None else candidates
+        for req in sorted(pool, key=self.residency.demotion_gain, reverse=True):
             if freed >= needed:
                 break
             if self.residency.demotion_gain(req) > 0:
@@ -97,6 +113,9 @@ class OffloadPolicy:
 
     def rebalance(self, scheduler: SchedulerView) -> None:
         return None
+
+    def admit_room(self, scheduler: SchedulerView, needed: int) -> bool:
+        return False
 
 
 def make_policy(name: str, residency: ResidencyManager | None) -> PressurePolicy:

@@ -312,3 +312,29 @@ def test_multi_turn_agents_under_pressure_reuse_prefixes_losslessly(tiny_dir: Pa
         assert stats["prefix_cache_hit_tokens"] > 0
         assert stats["pages_demoted"] > 0 and stats["hot_misses"] > 0
     assert_pages_released(engine)
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "offload"])
+def test_hybrid_admits_a_waiting_request_by_demoting_decoding_ones(tiny_dir: Path, policy: str) -> None:
+    """Two decoding requests fill the pool; a third arrives. `hybrid` demotes the decoding ones (their
+    pages are mirrored) and runs all three at once; `offload` makes it wait. Tokens equal an ample run."""
+    prompts = [_prompt(400, 60 + i) for i in range(3)]
+    [ref] = [make_engine(tiny_dir, enable_prefix_cache=False).generate(prompts, [greedy(40)] * 3)]
+    engine = _engine(tiny_dir, policy, pages=18)
+    engine.add_request("r0", prompts[0], greedy(40))
+    engine.add_request("r1", prompts[1], greedy(40))
+    tokens: dict[str, list[int]] = {}
+    while not all(r.num_computed_tokens > 400 for r in engine.scheduler.running) or len(engine.scheduler.running) < 2:
+        engine.step()
+    engine.add_request("r2", prompts[2], greedy(40))
+    peak = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+        peak = max(peak, len(engine.scheduler.running))
+        engine.check_integrity()
+    assert [tokens[f"r{i}"] for i in range(3)] == [o.token_ids for o in ref]
+    assert peak == (3 if policy == "hybrid" else 2)
+    assert (engine.stats()["pages_demoted"] > 0) == (policy == "hybrid")
+    assert_pages_released(engine)
