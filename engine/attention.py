@@ -76,17 +76,11 @@ class Indexer(nn.Module):
         view[ws // per_page, ws % per_page] = layout.encode_indexer(k)
 
         topk = cfg.index_topk
+        chosen = ops.indexer_topk(q, weights, view, batch, topk, cfg.index_head_dim**-0.5, full_index)
+        # Contexts shorter than K select fewer positions: pad to [T, K] (entries past lens are never read).
         positions = torch.zeros(batch.num_rows, topk, dtype=torch.long, device=x.device)
-        lens = torch.zeros(batch.num_rows, dtype=torch.long, device=x.device)
-        for req, (start, end) in enumerate(batch.row_ranges):
-            ctx = batch.context_lens_host[req]
-            slots = batch.indexer_slots(req, ctx)
-            keys = layout.decode_indexer(view[slots // per_page, slots % per_page], torch.float32)
-            limits = batch.positions[start:end] + 1
-            chosen = ops.indexer_topk(q[start:end], weights[start:end], keys, limits, topk, cfg.index_head_dim**-0.5,
-                                      (batch.request_ids[req], full_index))
-            positions[start:end, : chosen.positions.shape[1]] = chosen.positions
-            lens[start:end] = chosen.counts
+        positions[:, : chosen.positions.shape[1]] = chosen.positions
+        lens = chosen.counts
         return Selection(batch.resolve_selection(full_index, positions, lens), lens)
 
 

@@ -1,9 +1,11 @@
 """The two cache-reading operations of sparse MLA, behind one small interface.
 
-`indexer_topk` scores a request's query rows against its cached indexer keys and
-picks the top-K positions; `sparse_mla` attends over the selected KV slots in the
-absorbed form. The plain PyTorch implementation here runs everywhere; Triton
-kernels implement the same interface for the GPU.
+`indexer_topk` scores every query row of a step against its request's cached
+indexer keys and picks the top-K positions; `sparse_mla` attends over the
+selected KV slots in the absorbed form. Both take a whole batch in one call, so
+an implementation can cover all requests with one kernel launch instead of a
+Python loop over them. The plain PyTorch implementation here runs everywhere;
+Triton kernels implement the same interface for the GPU.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
 
 # Query rows processed together by the PyTorch path: bounds the gathered rows held at once.
@@ -21,16 +24,23 @@ _SCORE_ELEMENTS = 1 << 28
 
 
 class TopK(NamedTuple):
-    positions: torch.Tensor  # [n, K] int64; entries >= counts are padding
-    counts: torch.Tensor  # [n] valid entries per row
+    positions: torch.Tensor  # [T, K'] int64, K' <= K; entries >= counts are padding
+    counts: torch.Tensor  # [T] int64 valid entries per row
 
 
 class AttentionOps(Protocol):
     def indexer_topk(
-        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, limits: torch.Tensor, topk: int,
-        scale: float, stream: tuple[str, int],
+        self, q: torch.Tensor, weights: torch.Tensor, view: torch.Tensor, batch: ForwardBatch, topk: int,
+        scale: float, full_index: int,
     ) -> TopK:
-        """`stream` names (request id, group): implementations may keep per-stream state (a top-K trace)."""
+        """Top-K positions of every row of `batch`: q [T, Hi, Di], weights [T, Hi] against the keys of one
+        full layer's indexer `view` [pages, tokens, row_bytes]; row t sees positions <= batch.positions[t].
+
+        counts[t] = min(K, visible positions). K' = min(K, longest context of the batch): shorter contexts
+        select fewer positions, the caller pads. Equal scores rank by position, so that chunking and
+        batching never change a selection. `full_index` with a request id names a stream of choices:
+        implementations may keep per-stream state (a synthetic top-K trace).
+        """
         ...
 
     def sparse_mla(
@@ -45,10 +55,28 @@ class TorchAttentionOps:
         self.layout = layout
 
     def indexer_topk(
-        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, limits: torch.Tensor, topk: int,
-        scale: float, stream: tuple[str, int],
+        self, q: torch.Tensor, weights: torch.Tensor, view: torch.Tensor, batch: ForwardBatch, topk: int,
+        scale: float, full_index: int,
     ) -> TopK:
-        """q [n, Hi, Di], weights [n, Hi], keys [ctx, Di]; row i sees positions < limits[i]."""
+        """One request at a time: gathers and decodes its keys, then scores its rows (see `AttentionOps`)."""
+        width = min(topk, max(batch.context_lens_host))
+        positions = torch.zeros(batch.num_rows, width, dtype=torch.long, device=q.device)
+        counts = torch.zeros(batch.num_rows, dtype=torch.long, device=q.device)
+        per_page = view.shape[1]
+        for req, (start, end) in enumerate(batch.row_ranges):
+            slots = batch.indexer_slots(req, batch.context_lens_host[req])
+            keys = self.layout.decode_indexer(view[slots // per_page, slots % per_page], torch.float32)
+            chosen = self._request_topk(q[start:end], weights[start:end], keys, batch.positions[start:end] + 1,
+                                        topk, scale)
+            positions[start:end, : chosen.positions.shape[1]] = chosen.positions
+            counts[start:end] = chosen.counts
+        return TopK(positions, counts)
+
+    def _request_topk(
+        self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, limits: torch.Tensor, topk: int,
+        scale: float,
+    ) -> TopK:
+        """q [n, Hi, Di], weights [n, Hi], keys [ctx, Di] of one request; row i sees positions < limits[i]."""
         ctx = keys.shape[0]
         k = min(topk, ctx)
         keys = keys.float()

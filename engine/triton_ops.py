@@ -1,20 +1,70 @@
-"""Attention ops on the GPU: the Triton sparse MLA kernel behind the `AttentionOps` interface.
+"""Attention ops on the GPU: Triton kernels behind the `AttentionOps` interface.
 
-Sparse attention reads the selected rows straight from the page pool (FP8 rows
-dequantised in the kernel). Indexer scoring still goes through the PyTorch path
-here: the engine hands it decoded keys per request, while the Triton indexer
-reads the pages itself (wiring it in means passing page tables instead).
+Both operations read the page pool directly (FP8 rows dequantised in the
+kernels). The indexer scores every row of a step in one launch per chunk of
+rows, through the batch's indexer page table, instead of gathering and decoding
+each request's keys in a Python loop: a decode step then costs the same number
+of launches whatever the number of requests.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.attention_ops import TorchAttentionOps
+from engine.attention_ops import TopK, TorchAttentionOps
+from engine.forward_batch import ForwardBatch
+from kernels.indexer import indexer_scores
 from kernels.sparse_mla import sparse_mla
+
+# Indexer scores selected at once. The stable sort needs about 32 bytes per score beside the 4 of
+# the score itself (sorted keys, int64 indices, their double buffers: 2.4 GiB measured on an H200
+# for 2**26 scores): 2**25 keeps the selection near 1.2 GiB, inside the activation reserve.
+_SCORE_ELEMENTS = 1 << 25
+# Query rows of one scoring launch at most (the kernel's grid limit).
+_MAX_LAUNCH_ROWS = 65535
+
+
+def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [n, k] of the k largest scores of each row, ties broken by position.
+
+    torch.topk breaks ties arbitrarily (and differently for different shapes), while ReLU makes
+    exact ties common (a zero score): a stable sort makes the choice independent of chunking and
+    batching, and equal to the PyTorch ops' choice.
+    """
+    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
 
 
 class TritonAttentionOps(TorchAttentionOps):
+    def indexer_topk(
+        self, q: torch.Tensor, weights: torch.Tensor, view: torch.Tensor, batch: ForwardBatch, topk: int,
+        scale: float, full_index: int,
+    ) -> TopK:
+        """All rows of the batch from the page pool (see `AttentionOps`); the same positions as the PyTorch
+        ops, padding included (positions past a request's context read 0, as there)."""
+        max_ctx = max(batch.context_lens_host)
+        width = min(topk, max_ctx)
+        page_table = batch.indexer_page_table.to(torch.int32)
+        row_to_req = batch.req_of_row.to(torch.int32)
+        row_ctx = batch.context_lens[batch.req_of_row]
+        limits = batch.positions + 1
+        # Row t sees min(its context, its position + 1) = position + 1 positions, and selects up to K of them.
+        counts = torch.clamp(torch.minimum(row_ctx, limits), max=width)
+        row_ctx32, limits32 = row_ctx.to(torch.int32), limits.to(torch.int32)
+        positions = torch.empty(batch.num_rows, width, dtype=torch.long, device=q.device)
+        rows = max(1, min(_MAX_LAUNCH_ROWS, _SCORE_ELEMENTS // max(max_ctx, topk)))
+        for start in range(0, batch.num_rows, rows):
+            part = slice(start, start + rows)
+            scores = indexer_scores(
+                q[part], weights[part], view, page_table, row_to_req[part], row_ctx32[part], limits32[part],
+                kv_format=self.layout.kv_format, scale=scale, topk=topk, max_ctx=max_ctx,
+            )
+            positions[part] = stable_topk(scores, width)
+        # Past its own context, a request shorter than the width gets invisible positions from the sort;
+        # the PyTorch ops leave those columns 0.
+        columns = torch.arange(width, device=q.device)[None, :]
+        positions.masked_fill_(columns >= row_ctx[:, None], 0)
+        return TopK(positions, counts)
+
     def sparse_mla(
         self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
     ) -> torch.Tensor:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import triton_ops
 from engine.attention_ops import TorchAttentionOps
+from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
 from engine.tiny import TINY_CONFIG
@@ -28,3 +30,67 @@ def test_triton_sparse_mla_equals_torch_ops(kv_format: str) -> None:
     expected = TorchAttentionOps(layout).sparse_mla(q, view, slots, lens, 0.1)
     got = TritonAttentionOps(layout).sparse_mla(q, view, slots, lens, 0.1)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def _indexer_batch(layout: KVLayout, gen: torch.Generator) -> tuple[torch.Tensor, ForwardBatch]:
+    """A page pool of random bytes and a batch of four requests over shuffled indexer pages.
+
+    Contexts: 20 (shorter than top-K, one decode row), two pages (an extend chunk of four rows), 52 (an
+    extend chunk whose first rows see fewer positions than top-K), three pages (one decode row). Keys are
+    small integers (amax 7, so FP8 rows decode exactly) with zero and repeated rows: scores are exact in
+    both implementations and ReLU-zero and repeated-key ties are common, so only tie-breaking can differ.
+    """
+    tokens = layout.indexer_tokens_per_page
+    contexts = [20, tokens + 90, 52, 2 * tokens + 5]
+    row_positions = [[19], list(range(contexts[1] - 4, contexts[1])), list(range(40, 52)), [contexts[3] - 1]]
+    pool = torch.randint(0, 256, (10, layout.page_bytes), dtype=torch.uint8, generator=gen)
+    view = layout.indexer_layer_view(pool, 1)
+    pages = torch.randperm(10, generator=gen).tolist()
+    table = torch.zeros(len(contexts), 3, dtype=torch.long)
+    for req, ctx in enumerate(contexts):
+        own = [pages.pop() for _ in range(-(-ctx // tokens))]
+        table[req, : len(own)] = torch.tensor(own)
+        keys = torch.randint(-6, 7, (ctx, layout.index_dim), generator=gen).float()
+        keys[:, 0] = 7.0
+        keys[::5] = 0.0
+        keys[3::7] = keys[1]
+        pos = torch.arange(ctx)
+        slots = table[req, pos // tokens] * tokens + pos % tokens
+        view[slots // tokens, slots % tokens] = layout.encode_indexer(keys)
+    ranges, start = [], 0
+    for rows in row_positions:
+        ranges.append((start, start + len(rows)))
+        start += len(rows)
+    positions = torch.tensor([p for rows in row_positions for p in rows])
+    req_of_row = torch.tensor([req for req, rows in enumerate(row_positions) for _ in rows])
+    unused = torch.zeros_like(positions)
+    batch = ForwardBatch(
+        input_ids=unused, positions=positions, req_of_row=req_of_row, mla_write_slots=unused,
+        indexer_write_slots=unused, mla_page_table=torch.zeros(len(contexts), 1, dtype=torch.long),
+        indexer_page_table=table, context_lens=torch.tensor(contexts), logits_rows=unused, row_ranges=ranges,
+        context_lens_host=contexts, request_ids=[f"r{i}" for i in range(len(contexts))],
+        page_size=layout.page_size, indexer_tokens_per_page=tokens,
+    )
+    return view, batch
+
+
+@pytest.mark.parametrize("kv_format", ["float32", "fp8"])
+def test_triton_indexer_topk_equals_torch_ops(kv_format: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = ModelConfig.from_dict(dict(TINY_CONFIG, vocab_size=448))
+    layout = KVLayout.for_model(cfg, kv_format)
+    gen = torch.Generator().manual_seed(3)
+    view, batch = _indexer_batch(layout, gen)
+    q = torch.randint(-2, 3, (batch.num_rows, cfg.index_n_heads, cfg.index_head_dim), generator=gen).float()
+    weights = torch.randint(-4, 5, (batch.num_rows, cfg.index_n_heads), generator=gen) / 4
+    topk = 48
+    args = (q, weights, view, batch, topk, 0.25, 1)
+    expected = TorchAttentionOps(layout).indexer_topk(*args)
+    got = TritonAttentionOps(layout).indexer_topk(*args)
+    assert got.positions.shape == (batch.num_rows, topk)
+    assert torch.equal(got.counts, torch.clamp(batch.positions + 1, max=topk))
+    assert torch.equal(got.counts, expected.counts)
+    assert torch.equal(got.positions, expected.positions)
+    # Seven rows per launch (chunks cross requests) select what one launch for the whole batch selects.
+    monkeypatch.setattr(triton_ops, "_SCORE_ELEMENTS", 7 * max(batch.context_lens_host))
+    chunked = TritonAttentionOps(layout).indexer_topk(*args)
+    assert torch.equal(chunked.positions, got.positions) and torch.equal(chunked.counts, got.counts)
