@@ -37,8 +37,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.attention_ops import TopK, TorchAttentionOps  # noqa: E402
+from engine.attention_ops import AttentionOps, TopK  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.forward_batch import ForwardBatch  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from engine.tiny import TINY_CONFIG  # noqa: E402
@@ -67,19 +68,43 @@ def glm53_shaped_config(layers: int, experts: int, topk: int) -> dict:
     )
 
 
-class SyntheticTopK(TorchAttentionOps):
-    """Decode rows pick top-K by sampling LRU reuse distances; prefill rows use the model's indexer."""
+class SyntheticTopK:
+    """Decode rows of requests longer than top-K pick top-K by sampling LRU reuse distances; every other
+    row keeps the model indexer's choice. Wraps the engine's own ops, so sparse attention and the model
+    indexer stay on their kernels (Triton on the GPU)."""
 
-    def __init__(self, layout, seed: int = 0) -> None:  # noqa: ANN001
-        super().__init__(layout)
+    def __init__(self, ops: AttentionOps, seed: int = 0) -> None:
+        self.ops = ops
         self._last_use: dict[tuple[str, int], torch.Tensor] = {}
         self._clock = 0
         self._gen = torch.Generator().manual_seed(seed)
 
-    def indexer_topk(self, q, weights, keys, limits, topk, scale, stream):  # noqa: ANN001, ANN201
-        if q.shape[0] != 1 or int(limits[0]) <= topk:
-            return super().indexer_topk(q, weights, keys, limits, topk, scale, stream)
-        ctx = int(limits[0])
+    def sparse_mla(
+        self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return self.ops.sparse_mla(q, kv_view, slots, lens, scale)
+
+    def indexer_topk(
+        self, q: torch.Tensor, weights: torch.Tensor, view: torch.Tensor, batch: ForwardBatch, topk: int,
+        scale: float, full_index: int,
+    ) -> TopK:
+        """The model's choice for the whole batch, then the synthetic one over its decode rows."""
+        chosen = self.ops.indexer_topk(q, weights, view, batch, topk, scale, full_index)
+        decode = [(start, req) for req, (start, end) in enumerate(batch.row_ranges)
+                  if end - start == 1 and batch.context_lens_host[req] > topk]
+        if not decode:
+            return chosen
+        # A context longer than K somewhere in the batch: the model's choice is K wide.
+        rows = torch.tensor([row for row, _ in decode], device=q.device)
+        picks = [self._sample((batch.request_ids[req], full_index), batch.context_lens_host[req], topk)
+                 for _, req in decode]
+        positions, counts = chosen.positions.clone(), chosen.counts.clone()
+        positions[rows] = torch.stack(picks).to(q.device)
+        counts[rows] = topk
+        return TopK(positions, counts)
+
+    def _sample(self, stream: tuple[str, int], ctx: int, topk: int) -> torch.Tensor:
+        """K positions of a context of `ctx` tokens from the reuse-distance model; `stream` is (request, group)."""
         last = self._last_use.get(stream)
         if last is None or last.numel() < ctx:
             grown = torch.full((max(ctx, 2 * (0 if last is None else last.numel())),), -1.0)
@@ -99,8 +124,7 @@ class SyntheticTopK(TorchAttentionOps):
             chosen = torch.cat([chosen, order[~taken[order]][: topk - chosen.numel()]])
         chosen = chosen[:topk]
         last[chosen] = float(self._clock)
-        positions = chosen.to(q.device)[None]
-        return TopK(positions, torch.tensor([topk], device=q.device))
+        return chosen
 
 
 @dataclass
@@ -144,7 +168,7 @@ def run_policy(args: argparse.Namespace, model_dir: Path, policy: str, trace: st
         max_model_len=1 << 20, hisparse=hs, enable_prefix_cache=True,
     ))
     if trace == "synthetic":
-        engine.runner.ops = SyntheticTopK(engine.layout)
+        engine.executor.worker.ops = SyntheticTopK(engine.executor.worker.ops)  # the ops the forward uses
     out_len = max(16, round(OUTPUT * s))
     convs = [Conversation([], args.turns, torch.Generator().manual_seed(i)) for i in range(conversations)]
     live: dict[str, Conversation] = {}
