@@ -143,9 +143,13 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
 
 def random_init(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Seeded shapes-only init: normal weights, unit norms, zero biases; a split parameter gets
-    its slice of the full tensor, so every tensor-parallel size builds the same model."""
+    its slice of the full tensor, so every tensor-parallel size builds the same model.
+
+    Numbers are drawn on the parameters' device (a CPU draw of a GLM-sized model takes tens of
+    seconds), so one seed gives one model per device type, not the same model on CPU and CUDA."""
     tp: TensorParallel = model.tp  # type: ignore[assignment]
-    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             if name.endswith("norm.weight") or "layernorm" in name:
@@ -157,5 +161,5 @@ def random_init(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 shape = list(p.shape)
                 if dim is not None:
                     shape[dim] *= tp.size
-                full = torch.randn(shape, generator=gen) * std
+                full = torch.randn(shape, generator=gen, device=device) * std
                 p.copy_(full if dim is None else tp.shard(full, dim))
