@@ -243,7 +243,8 @@ def main() -> int:
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--trace", action="append", choices=["model", "synthetic"])
     parser.add_argument("--policies", nargs="+", default=["hybrid", "offload", "off"])
-    parser.add_argument("--no-pressure-check", action="store_true", help="also compare hybrid and off, ample pool")
+    parser.add_argument("--no-pressure-check", action="store_true",
+                        help="also compare hybrid and off on the same workload with an 8x pool (no pressure)")
     parser.add_argument("--small", action="store_true", help="tiny-model shapes (CPU smoke run)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -270,7 +271,7 @@ def main() -> int:
             print(json.dumps(rows[-1]), flush=True)
     if args.no_pressure_check:
         for policy in ("off", "hybrid"):
-            row = run_policy(args, model_dir, policy, "model", pages * 8, host_gib, max(args.conversations // 4, 1))
+            row = run_policy(args, model_dir, policy, "model", pages * 8, host_gib, args.conversations)
             rows.append(dict(row, trace="ample"))
             print(json.dumps(rows[-1]), flush=True)
     (out / "policies.json").write_text(json.dumps(rows, indent=1))

@@ -82,9 +82,12 @@ class HybridPolicy:
         return self._demote(scheduler, needed, decoding) >= needed
 
     def _demote(self, scheduler: SchedulerView, needed: int, candidates: list | None = None) -> int:
+        """Demotes decoding requests first, largest gain first: a demoted request still prefilling
+        computes its remaining prompt through its hot buffer, a few rows a step while pages are short."""
         freed = 0
         pool = scheduler.running if candidates is None else candidates
-        for req in sorted(pool, key=self.residency.demotion_gain, reverse=True):
+        for req in sorted(pool, key=lambda r: (r.num_computed_tokens < r.num_prompt_tokens,
+                                               -self.residency.demotion_gain(r))):
             if freed >= needed:
                 break
             if self.residency.demotion_gain(req) > 0:
