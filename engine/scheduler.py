@@ -171,10 +171,12 @@ class Scheduler:
         return True
 
     def _admit_pages(self, req: Request, num_tokens: int) -> bool:
-        """Pages for a waiting request's first chunk, freed by the policy if it can (never by preempting)."""
+        """Pages for a waiting request's first chunk. When they are short, the policy may free pages
+        (never by preempting), but only enough for the whole prompt: a request admitted with room for
+        its first chunk alone would take its later chunks from requests still prefilling."""
         if self.kv.allocate(req, num_tokens):
             return True
-        needed = self.kv.pages_needed(req, num_tokens) - self.kv.num_available
+        needed = self.kv.pages_needed(req, req.num_tokens) - self.kv.num_available
         return self.policy.admit_room(self, needed) and self.kv.allocate(req, num_tokens)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
