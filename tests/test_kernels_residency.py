@@ -2,8 +2,9 @@
 
 Covers `kernels/resolve.py` (resident / hot hit / miss classification, LRU
 victim choice, reverse map, host -> hot slot copies), `kernels/page_mirror.py`
-and `kernels/fp8_pack.py`. Outputs start poisoned and every element is
-compared, including the bytes a kernel must leave alone.
+(whole pages, and single tokens' runs of every IndexShare group) and
+`kernels/fp8_pack.py`. Outputs start poisoned and every element is compared,
+including the bytes a kernel must leave alone.
 """
 
 import os
@@ -246,6 +247,112 @@ def test_page_mirror_matches_twin(page_bytes):
     assert torch.equal(got[untouched], host[untouched])
     page_mirror.mirror_pages(gpu_pool, got, [], [])
     assert torch.equal(got, want)
+
+
+# --- row mirror: single tokens' runs of every group ----------------------------------------
+
+
+def make_row_pools(runs: tuple[int, ...], num_gpu: int, num_host: int, seed: int, gpu_misaligned: bool = False):
+    """(gpu pool, poisoned host pool, group offsets) for groups of the given run sizes; the GPU pool
+    starts at an odd address when `gpu_misaligned` (a contiguous view one byte into a buffer)."""
+    offsets = tuple(PAGE * sum(runs[:g]) for g in range(len(runs)))
+    page_bytes = PAGE * sum(runs)
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randint(0, 256, (num_gpu * page_bytes + 1,), dtype=torch.uint8, generator=gen)
+    gpu_pool = (flat[1:] if gpu_misaligned else flat[:-1]).view(num_gpu, page_bytes)
+    host = torch.full((num_host, page_bytes), 0xA5, dtype=torch.uint8)
+    return gpu_pool, host, offsets
+
+
+def expected_rows(gpu_pool, host, gpu_ids, host_ids, tokens, offsets, runs):
+    """The definition, one run at a time."""
+    want = host.clone()
+    for g, h, t in zip(gpu_ids, host_ids, tokens):
+        for offset, run in zip(offsets, runs):
+            start = offset + t * run
+            want[h, start : start + run] = gpu_pool[g, start : start + run]
+    return want
+
+
+# Repeated tokens of different pages, one GPU page to two host pages, pages out of order,
+# the first and last token of a page.
+ROWS = ([5, 2, 5, 0, 7, 2, 1], [3, 1, 0, 3, 6, 7, 2], [10, 10, 63, 0, 10, 1, 10])
+
+
+@pytest.mark.parametrize("runs,misaligned,block", [
+    ((20, 60, 8), False, None),  # int32 words, one block per run
+    ((20, 60, 8), False, 4),  # int32 words, several blocks per run (60 bytes = 15 words)
+    ((20, 6, 13), False, None),  # runs of 6 and 13 bytes: byte path
+    ((20, 60, 8), True, 16),  # aligned sizes, GPU pool at an odd address: byte path, several blocks
+])
+def test_row_mirror_matches_twin(runs, misaligned, block, monkeypatch):
+    if block is not None:
+        monkeypatch.setattr(page_mirror, "_ROW_BLOCK_WORDS", block)
+    gpu_pool, host, offsets = make_row_pools(runs, 8, 9, seed=sum(runs) + (block or 0), gpu_misaligned=misaligned)
+    gpu_ids, host_ids, tokens = ROWS
+    got, ref = host.clone(), host.clone()
+    assert page_mirror.mirror_rows_triton(gpu_pool, got, gpu_ids, host_ids, tokens, offsets, runs) is None
+    assert page_mirror.mirror_rows_reference(gpu_pool, ref, *ROWS, offsets, runs) is None
+    want = expected_rows(gpu_pool, host, gpu_ids, host_ids, tokens, offsets, runs)
+    assert torch.equal(ref, want)
+    assert torch.equal(got, want)  # every byte: untouched host bytes keep the poison
+    assert (got != host).sum() > 0.9 * len(tokens) * sum(runs)  # random bytes rarely equal the poison
+    via = host.clone()
+    page_mirror.mirror_rows(gpu_pool, via, torch.tensor(gpu_ids), torch.tensor(host_ids), torch.tensor(tokens),
+                            offsets, runs)
+    assert torch.equal(via, want)
+
+
+def test_row_mirror_random_rows():
+    """Many random distinct destinations over large page ids, against the definition."""
+    rng = random.Random(7)
+    runs = (40, 120, 4)
+    gpu_pool, host, offsets = make_row_pools(runs, 16, 12, seed=7)
+    dests = rng.sample([(h, t) for h in range(12) for t in range(PAGE)], 40)
+    gpu_ids = [rng.randrange(16) for _ in dests]
+    host_ids, tokens = [d[0] for d in dests], [d[1] for d in dests]
+    got = host.clone()
+    page_mirror.mirror_rows_triton(gpu_pool, got, gpu_ids, host_ids, tokens, offsets, runs)
+    assert torch.equal(got, expected_rows(gpu_pool, host, gpu_ids, host_ids, tokens, offsets, runs))
+
+
+def test_row_mirror_empty_is_noop():
+    runs = (20, 8)
+    gpu_pool, host, offsets = make_row_pools(runs, 2, 2, seed=1)
+    for fn in (page_mirror.mirror_rows_triton, page_mirror.mirror_rows_reference, page_mirror.mirror_rows):
+        got = host.clone()
+        assert fn(gpu_pool, got, [], [], [], offsets, runs) is None
+        assert torch.equal(got, host)
+
+
+@pytest.mark.parametrize("fn", [page_mirror.mirror_rows_triton, page_mirror.mirror_rows_reference])
+def test_row_mirror_rejects_bad_inputs(fn):
+    runs = (20, 8)
+    gpu_pool, host, offsets = make_row_pools(runs, 4, 4, seed=2)
+    ok = ([0, 1], [2, 3], [5, 63])
+    fn(gpu_pool, host.clone(), *ok, offsets, runs)  # the baseline is accepted
+    bad = [
+        (gpu_pool, host, [0, 1], [2, 3], [5], offsets, runs),  # tokens shorter than the ids
+        (gpu_pool, host, [0, 1], [2], [5, 6], offsets, runs),  # host ids shorter
+        (gpu_pool, host, [0, 1], [2, 3], [5, 64], offsets, runs),  # token past the page
+        (gpu_pool, host, [0, 1], [2, 3], [-1, 6], offsets, runs),  # negative token
+        (gpu_pool, host, [0, 4], [2, 3], [5, 6], offsets, runs),  # GPU page out of range
+        (gpu_pool, host, [0, 1], [2, 4], [5, 6], offsets, runs),  # host page out of range
+        (gpu_pool, host, [0, 1], [2, 2], [5, 5], offsets, runs),  # two rows to one destination
+        (gpu_pool, host, *ok, offsets, (20,)),  # one run size for two groups
+        (gpu_pool, host, *ok, (), ()),  # no groups
+        (gpu_pool, host, *ok, offsets, (20, 0)),  # empty run
+        (gpu_pool, host, *ok, (0, -4), runs),  # negative offset
+        (gpu_pool, host, *ok, (0, PAGE * 20 + 4), runs),  # the group's last runs leave the page
+        (gpu_pool, host[:, :-4].contiguous(), *ok, offsets, runs),  # page sizes differ
+        (gpu_pool.view(torch.int32), host, *ok, offsets, runs),  # not uint8
+        (gpu_pool, host.t(), *ok, offsets, runs),  # not contiguous
+        (gpu_pool, host, [[0, 1]], [[2, 3]], [[5, 6]], offsets, runs),  # 2-D ids are flattened: accepted
+    ]
+    for args in bad[:-1]:
+        with pytest.raises(ValueError):
+            fn(*args)
+    fn(*bad[-1])
 
 
 # --- FP8 packing --------------------------------------------------------------------------

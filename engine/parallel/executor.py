@@ -11,8 +11,8 @@ process boundaries.
 Contract, whatever the implementation:
 - calls reach every rank in the order the driver made them;
 - `execute_model` returns rank 0's logits; every rank ran the step;
-- `mirror_pages` is done by one rank into the shared host pool; its ticket
-  says when the host copies are complete;
+- `mirror_pages` and `mirror_rows` are done by one rank into the shared host
+  pool, asynchronously; their ticket says when the host copies are complete;
 - once a rank fails, every later call raises `WorkerError`.
 """
 
@@ -75,7 +75,8 @@ class Executor(ABC):
 
     @abstractmethod
     def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> CopyTicket:
-        """One rank copies the rows of every layer of single tokens into the same tokens of host pages."""
+        """One rank copies the rows of every layer of single tokens into the same tokens of host pages,
+        asynchronously (after the steps already sent); the ticket says when the host bytes are written."""
 
     @abstractmethod
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:

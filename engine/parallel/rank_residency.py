@@ -37,7 +37,7 @@ class RankResidency:
         self.group_offsets = tuple(layout.group_offset(g) for g in range(self.num_groups))
         self.group_run_bytes = layout.group_run_bytes
         self.tables: dict[str, HotTables] = {}
-        self._counts = ResolveCounts()
+        self._tally: torch.Tensor | None = None  # [lookups of host-only rows, misses, miss bytes] since last read
         self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
         self._resolve = resolve.resolve_group if pool.is_cuda else resolve.resolve_group_reference
 
@@ -67,23 +67,27 @@ class RankResidency:
         """Copies whole GPU pages to host pages on a side stream; the event marks completion (None: done)."""
         return page_mirror.mirror_pages(self.pool, self.host, list(gpu_ids), list(host_ids), self._stream)
 
-    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> None:
-        """Copies single tokens' rows of every layer to the same tokens of host pages: per IndexShare
-        group one gather of whole runs (a token's rows of the group are contiguous)."""
-        if not gpu_ids:
-            return
-        gpu = torch.tensor(list(gpu_ids), dtype=torch.long, device=self.pool.device)
-        tok = torch.tensor(list(tokens), dtype=torch.long, device=self.pool.device)
-        host, host_tok = torch.tensor(list(host_ids), dtype=torch.long), tok.cpu()
-        for offset, run in zip(self.group_offsets, self.group_run_bytes):
-            src = self.pool[:, offset : offset + PAGE_SIZE * run].unflatten(1, (PAGE_SIZE, run))
-            dst = self.host[:, offset : offset + PAGE_SIZE * run].unflatten(1, (PAGE_SIZE, run))
-            dst[host, host_tok] = src[gpu, tok].cpu()
+    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int],
+                    tokens: Sequence[int]) -> torch.cuda.Event | None:
+        """Copies single tokens' rows of every layer to the same tokens of host pages (per IndexShare
+        group one contiguous run per token) on the side stream of `mirror`, after the forward that
+        wrote them; the event marks completion (None: done). Rows and pages share the stream, so a
+        later mirror's event covers these rows too."""
+        return page_mirror.mirror_rows(self.pool, self.host, list(gpu_ids), list(host_ids), list(tokens),
+                                       self.group_offsets, self.group_run_bytes, self._stream)
+
+    def order_after_mirrors(self) -> None:
+        """Makes the compute stream wait (on the GPU, the host does not block) for every mirror issued so
+        far: a page freed after its copy was queued may be reused by the next forward, and a host copy
+        may be read (load, resolve) only once written."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.pool.device).wait_stream(self._stream)
 
     def load(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         """Copies whole host pages into GPU pages, in order with this rank's forward steps."""
         if not gpu_ids:
             return
+        self.order_after_mirrors()
         dst = torch.tensor(list(gpu_ids), dtype=torch.long, device=self.pool.device)
         self.pool[dst] = self.host[torch.tensor(list(host_ids), dtype=torch.long)].to(self.pool.device)
 
@@ -125,8 +129,7 @@ class RankResidency:
             union_slots[begin : begin + part.numel()] = result.kv_slots[0, : part.numel()].long()
             copied += result.num_copied.sum()
         slots[valid] = union_slots[inverse].clamp(min=0)
-        misses = int(copied)
-        self._counts += ResolveCounts(int(valid.sum()) - misses, misses, misses * self.group_run_bytes[group])
+        self._count(group, valid.sum(), copied)
 
     def resolve_decode(self, specs: Sequence[NonResidentSpec], group: int, positions: torch.Tensor,
                        lens: torch.Tensor, step: int) -> torch.Tensor:
@@ -143,15 +146,17 @@ class RankResidency:
         rows = max(t.hot_slots.numel() for t in tables)
         capacity = max(t.pos_to_hot.shape[1] for t in tables)
         b = len(specs)
-        gpu = torch.full((b, num_pages), -1, dtype=torch.int32, device=dev)
-        host = torch.full((b, num_pages), -1, dtype=torch.int32, device=dev)
+        gpu = torch.full((b, num_pages), -1, dtype=torch.int32)  # built on the host, moved once
+        host = torch.full((b, num_pages), -1, dtype=torch.int32)
         hot_slots = torch.zeros((b, rows), dtype=torch.int32, device=dev)
         slot_pos = torch.zeros((b, rows), dtype=torch.int32, device=dev)  # padding: "held" and used now
         slot_stamp = torch.full((b, rows), step, dtype=torch.int64, device=dev)
         pos_to_hot = torch.full((b, capacity), -1, dtype=torch.int32, device=dev)
-        for i, (t, s) in enumerate(zip(tables, specs)):
-            n, r, c = s.gpu_pages.numel(), t.hot_slots.numel(), t.pos_to_hot.shape[1]
-            gpu[i, :n], host[i, :n] = s.gpu_pages.to(dev), s.host_pages.to(dev)
+        for i, s in enumerate(specs):
+            gpu[i, : s.gpu_pages.numel()], host[i, : s.host_pages.numel()] = s.gpu_pages, s.host_pages
+        gpu, host = gpu.to(dev), host.to(dev)
+        for i, t in enumerate(tables):
+            r, c = t.hot_slots.numel(), t.pos_to_hot.shape[1]
             hot_slots[i, :r], slot_pos[i, :r], slot_stamp[i, :r] = t.hot_slots, t.slot_pos[group], t.slot_stamp[group]
             pos_to_hot[i, :c] = t.pos_to_hot[group]
         result = self._resolve(
@@ -164,12 +169,18 @@ class RankResidency:
                 pos_to_hot[i, :c]
         valid = torch.arange(positions.shape[1], device=dev)[None, :] < lens[:, None]
         page = torch.where(valid, positions, 0).long() // PAGE_SIZE
-        non_resident = int((valid & (gpu.gather(1, page) < 0)).sum())
-        misses = int(result.num_copied.sum())
-        self._counts += ResolveCounts(non_resident - misses, misses, misses * self.group_run_bytes[group])
+        self._count(group, (valid & (gpu.gather(1, page) < 0)).sum(), result.num_copied.sum())
         return result.kv_slots.long().clamp(min=0)
 
+    def _count(self, group: int, lookups: torch.Tensor, misses: torch.Tensor) -> None:
+        """Adds a resolve's counts on the device: they are read once per step, not once per resolve."""
+        tally = torch.stack([lookups.long(), misses.long(), misses.long() * self.group_run_bytes[group]])
+        self._tally = tally if self._tally is None else self._tally + tally
+
     def take_counts(self) -> ResolveCounts:
-        """The resolve counts since the last call."""
-        counts, self._counts = self._counts, ResolveCounts()
-        return counts
+        """The resolve counts since the last call (one device read)."""
+        if self._tally is None:
+            return ResolveCounts()
+        lookups, misses, miss_bytes = self._tally.tolist()
+        self._tally = None
+        return ResolveCounts(lookups - misses, misses, miss_bytes)

@@ -54,10 +54,10 @@ class RemoteWorker:
     """A rank in a worker process: a `Worker` in a process group, driven by named calls."""
 
     # Calls this class adapts to the process (shared buffers, events, collectives) ...
-    CALLS = frozenset({"attach_host_pool", "execute_model", "mirror_pages", "sync", "fence"})
+    CALLS = frozenset({"attach_host_pool", "execute_model", "mirror_pages", "mirror_rows", "sync", "fence"})
     # ... and calls the rank's `Worker` answers as it is.
     FORWARDED = frozenset({
-        "memory_info", "init_kv_pool", "mirror_rows", "load_pages", "read_pages", "write_pages", "copy_pages", "open_lease",
+        "memory_info", "init_kv_pool", "load_pages", "read_pages", "write_pages", "copy_pages", "open_lease",
         "close_lease", "lease_digests",
     })
 
@@ -100,6 +100,12 @@ class RemoteWorker:
 
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> None:
         event = self.worker.mirror_pages(gpu_ids, host_ids)
+        if event is not None:
+            self._mirrors.append(event)
+
+    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> None:
+        """As `mirror_pages`: the event stays here (it cannot travel), finished by `sync`."""
+        event = self.worker.mirror_rows(gpu_ids, host_ids, tokens)
         if event is not None:
             self._mirrors.append(event)
 

@@ -86,6 +86,8 @@ class Worker:
 
     def execute_model(self, step: StepInput) -> StepOutput:
         batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
+        if self.residency is not None:
+            self.residency.order_after_mirrors()
         if self.rank == 0:
             logits = self.model(batch, self.kv_pool, self.layout, self.ops)
         else:
@@ -104,8 +106,9 @@ class Worker:
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> torch.cuda.Event | None:
         return self._host_tier().mirror(gpu_ids, host_ids)
 
-    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> None:
-        self._host_tier().mirror_rows(gpu_ids, host_ids, tokens)
+    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int],
+                    tokens: Sequence[int]) -> torch.cuda.Event | None:
+        return self._host_tier().mirror_rows(gpu_ids, host_ids, tokens)
 
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         self._host_tier().load(host_ids, gpu_ids)
@@ -115,10 +118,14 @@ class Worker:
         return self.kv_pool[torch.tensor(list(gpu_ids), dtype=torch.long, device=self.device)].cpu()
 
     def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        if self.residency is not None:
+            self.residency.order_after_mirrors()
         idx = [torch.tensor(list(ids), dtype=torch.long, device=self.device) for ids in (src_ids, dst_ids)]
         self.kv_pool[idx[1]] = self.kv_pool[idx[0]]
 
     def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
+        if self.residency is not None:
+            self.residency.order_after_mirrors()
         self.kv_pool[torch.tensor(list(gpu_ids), dtype=torch.long, device=self.device)] = data.to(self.device)
 
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
