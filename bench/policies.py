@@ -16,7 +16,8 @@ trace (`--trace synthetic`) whose reuse distances reproduce published miss rates
 
 Prints one table per run: mean running requests, output tokens/s, TPOT p50/p90,
 TTFT p50, hot hit rate, host-to-device GB/s and its share of the pinned H2D copy
-bandwidth measured in the same run; ratios against `offload` and `off`.
+bandwidth measured in the same run; ratios against `offload` and `off`; the mean step time
+(with mean running requests it shows how a step's cost grows with its batch).
 Usage (GPU): python bench/policies.py --trace model --trace synthetic
 """
 
@@ -211,7 +212,7 @@ def run_policy(args: argparse.Namespace, model_dir: Path, policy: str, trace: st
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return dict(
-        policy=policy, trace=trace, wall_s=wall, mean_running=running,
+        policy=policy, trace=trace, wall_s=wall, mean_running=running, step_ms=1e3 * wall / max(stats["steps"], 1),
         out_tok_s=sum(t.tokens for t in tls) / wall,
         tpot_p50_ms=1e3 * statistics.median(tpot), tpot_p90_ms=1e3 * tpot[int(0.9 * (len(tpot) - 1))],
         ttft_p50_s=statistics.median(ttft), hot_hit_rate=hits / (hits + misses) if hits + misses else float("nan"),
@@ -222,7 +223,7 @@ def run_policy(args: argparse.Namespace, model_dir: Path, policy: str, trace: st
 
 def print_table(rows: list[dict], h2d_ceiling: float) -> None:
     print(f"\n{'trace':<9} {'policy':<8} {'running':>8} {'tok/s':>8} {'TPOT50':>8} {'TPOT90':>8} {'TTFT50':>8} "
-          f"{'hit%':>6} {'H2D GB/s':>9} {'%PCIe':>6} {'x offl':>7} {'x off':>6} {'pre+swap':>8}")
+          f"{'hit%':>6} {'H2D GB/s':>9} {'%PCIe':>6} {'x offl':>7} {'x off':>6} {'pre+swap':>8} {'step ms':>8}")
     for r in rows:
         peers = {p["policy"]: p for p in rows if p["trace"] == r["trace"]}
         vs_offload = r["out_tok_s"] / peers["offload"]["out_tok_s"] if "offload" in peers else float("nan")
@@ -230,7 +231,7 @@ def print_table(rows: list[dict], h2d_ceiling: float) -> None:
         print(f"{r['trace']:<9} {r['policy']:<8} {r['mean_running']:>8.2f} {r['out_tok_s']:>8.1f} "
               f"{r['tpot_p50_ms']:>8.1f} {r['tpot_p90_ms']:>8.1f} {r['ttft_p50_s']:>8.2f} "
               f"{100 * r['hot_hit_rate']:>6.1f} {r['h2d_gbps']:>9.3f} {100 * r['h2d_gbps'] / h2d_ceiling:>6.2f} "
-              f"{vs_offload:>7.2f} {vs_off:>6.2f} {r['preemptions'] + r['swaps']:>8}")
+              f"{vs_offload:>7.2f} {vs_off:>6.2f} {r['preemptions'] + r['swaps']:>8} {r['step_ms']:>8.1f}")
 
 
 def main() -> int:
