@@ -79,6 +79,8 @@ class HybridPolicy:
         """Demotes decoding requests (their prompts done, so only their decode rows pay misses) to
         let a waiting request start: this is where hybrid's concurrency comes from."""
         decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        if sum(max(self.residency.demotion_gain(r), 0) for r in decoding) < needed:
+            return False  # not enough to admit it: demote no one for nothing
         return self._demote(scheduler, needed, decoding) >= needed
 
     def _demote(self, scheduler: SchedulerView, needed: int, candidates: list | None = None) -> int:
