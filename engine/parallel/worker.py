@@ -86,8 +86,7 @@ class Worker:
 
     def execute_model(self, step: StepInput) -> StepOutput:
         batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
-        if self.residency is not None:
-            self.residency.order_after_mirrors()
+        self._after_mirrors()
         if self.rank == 0:
             logits = self.model(batch, self.kv_pool, self.layout, self.ops)
         else:
@@ -97,6 +96,11 @@ class Worker:
         return StepOutput(logits, counts)
 
     # --- residency, as the driver decided it -------------------------------------------
+
+    def _after_mirrors(self) -> None:
+        """Orders what comes next (a forward, page writes) after the mirrors already issued."""
+        if self.residency is not None:
+            self.residency.order_after_mirrors()
 
     def _host_tier(self) -> RankResidency:
         if self.residency is None:
@@ -118,14 +122,12 @@ class Worker:
         return self.kv_pool[torch.tensor(list(gpu_ids), dtype=torch.long, device=self.device)].cpu()
 
     def copy_pages(self, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
-        if self.residency is not None:
-            self.residency.order_after_mirrors()
+        self._after_mirrors()
         idx = [torch.tensor(list(ids), dtype=torch.long, device=self.device) for ids in (src_ids, dst_ids)]
         self.kv_pool[idx[1]] = self.kv_pool[idx[0]]
 
     def write_pages(self, gpu_ids: Sequence[int], data: torch.Tensor) -> None:
-        if self.residency is not None:
-            self.residency.order_after_mirrors()
+        self._after_mirrors()
         self.kv_pool[torch.tensor(list(gpu_ids), dtype=torch.long, device=self.device)] = data.to(self.device)
 
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
