@@ -9,12 +9,21 @@ request in the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from engine.kv_layout import KVLayout
 from engine.parallel.rank_residency import RankResidency
 from engine.parallel.step import NonResidentSpec, StepInput
+
+
+class _DecodeResolve(NamedTuple):
+    """Decode rows with host-only pages: their rows, page tables of every group's resolve."""
+
+    rows: torch.Tensor  # [D] row of each request's single query
+    specs: list[NonResidentSpec]
+    page_tables: tuple[torch.Tensor, torch.Tensor]  # [D, P] GPU page and host page per logical page
 
 
 @dataclass
@@ -38,6 +47,7 @@ class ForwardBatch:
     nonresident: dict[int, NonResidentSpec] = field(default_factory=dict)  # batch index -> host-only page tables
     residency: RankResidency | None = None  # this rank's hot tables (set when a host tier exists)
     step: int = 0  # LRU stamp of this step (grows every step)
+    _decode: _DecodeResolve | None = field(default=None, init=False, repr=False)  # set by the step's first resolve
 
     @classmethod
     def from_step(
@@ -78,19 +88,29 @@ class ForwardBatch:
         """KV slots of the chosen positions [T, K]: in place for resident pages, hot slots otherwise."""
         rows = torch.arange(self.num_rows, device=positions.device)
         slots = self.mla_slots(rows, positions)
-        decode: list[tuple[int, NonResidentSpec]] = []  # one row each: resolved together in one call
         for b, spec in self.nonresident.items():
             start, end = self.row_ranges[b]
-            if end - start == 1:
-                decode.append((start, spec))
-                continue
-            span = slice(start, end)
-            self.residency.resolve_rows(spec, group, positions[span], lens[span], self.step, slots[span])
-        if decode:
-            at = torch.tensor([row for row, _ in decode], device=positions.device)
-            specs = [spec for _, spec in decode]
-            slots[at] = self.residency.resolve_decode(specs, group, positions[at], lens[at], self.step)
+            if end - start > 1:
+                span = slice(start, end)
+                self.residency.resolve_rows(spec, group, positions[span], lens[span], self.step, slots[span])
+        decode = self._decode_resolve()
+        if decode is not None:
+            at, specs, page_tables = decode
+            slots[at] = self.residency.resolve_decode(specs, page_tables, group, positions[at], lens[at], self.step)
         return slots
+
+    def _decode_resolve(self) -> _DecodeResolve | None:
+        """The single-row requests with host-only pages (resolved together, one call per group) and
+        their page tables; built at the first group of the step and reused by the others."""
+        if self._decode is None:
+            rows = [(self.row_ranges[b][0], spec) for b, spec in self.nonresident.items()
+                    if self.row_ranges[b][1] - self.row_ranges[b][0] == 1]
+            if not rows:
+                return None
+            specs = [spec for _, spec in rows]
+            at = torch.tensor([row for row, _ in rows], device=self.positions.device)
+            self._decode = _DecodeResolve(at, specs, self.residency.decode_page_tables(specs))
+        return self._decode
 
     def indexer_slots(self, req: int, num_tokens: int) -> torch.Tensor:
         """Indexer slots of positions 0..num_tokens-1 of request `req`."""

@@ -24,23 +24,33 @@ step that calls them can be captured in a CUDA graph:
    global miss numbers to (request, miss) with a prefix sum over the per-request
    counts and moves whole runs, reading the pinned host tensor directly (UVA).
 
+A request's LRU tables are reached through its row of a lease table (their
+addresses and sizes), so requests whose hot buffers differ in size and live in
+separate tensors resolve in one launch, updated where they live (`resolve_leases`).
+The plan reads the slots in chunks of `_R_BLOCK` and the copy reads the counts
+in chunks of `_B_BLOCK`, and no size argument is specialised: one compiled plan
+per top-K width and one copy per run size serve every batch and hot buffer, so
+a new shape never stalls a serving step on a compile.
+
 Caller guarantees: positions are unique within a row; the newest token's page
 is resident; `R >= count` (hot_rows >= top-K); step numbers grow from call to
 call and stay below 2**60. If a row still has more misses than victims (slots
 not used this step), the extra misses resolve to -1 and copy nothing. Entries
 past `count` are -1.
 
-`resolve_group` runs both launches; `plan_group` and `copy_misses` are the two
-halves (the copy can go on a side stream as prefetch for the group's shared
-layers). They are the Triton path (CUDA, or CPU under TRITON_INTERPRET=1);
-`resolve_group_reference` is the plain PyTorch twin with the same signature and
-the same effects, byte for byte. H200 numbers: bench/RESULTS.md (plan
+`resolve_group` runs both launches over [B, R] stacked tables; `plan_group` and
+`copy_misses` are the two halves (the copy can go on a side stream as prefetch
+for the group's shared layers). They and `resolve_leases` are the Triton path
+(CUDA, or CPU under TRITON_INTERPRET=1); `resolve_group_reference` and
+`resolve_leases_reference` are the plain PyTorch twins with the same signatures
+and the same effects, byte for byte. H200 numbers: bench/RESULTS.md (plan
 8.4 us at B=100 without misses in a CUDA graph; miss copy 85-100% of the UVA
 gather ceiling from about 1.7 MB per launch).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -51,6 +61,8 @@ PAGE_SIZE = 64
 _COPY_RUNS_PER_PROGRAM = 4
 _COPY_PROGRAMS_PER_SM = 8
 _SEARCH_WAYS = 4  # threshold probes per round of the victim search
+_R_BLOCK = 1024  # hot slots per chunk of the victim search: one compiled plan for any hot buffer size
+_B_BLOCK = 64  # requests per chunk of the copy's prefix sum: one compiled copy for any batch
 
 
 class ResolveResult(NamedTuple):
@@ -71,20 +83,49 @@ class ResolvePlan(NamedTuple):
 
 # --- kernels -------------------------------------------------------------------------
 
+# Columns of a lease table row: addresses of a request's hot slots [R] int32, slot positions [R]
+# int32, slot stamps [R] int32/int64 and reverse map [capacity] int16/int32, then R and capacity.
+LEASE_COLUMNS: tl.constexpr = tl.constexpr(6)
+
 
 @triton.jit
+def _lease_rows(lease, STAMP64: tl.constexpr, MAP16: tl.constexpr):
+    """One request's LRU tables, read from its lease table row."""
+    hot_row = tl.load(lease).to(tl.pointer_type(tl.int32))
+    held_row = tl.load(lease + 1).to(tl.pointer_type(tl.int32))
+    if STAMP64:
+        stamp_row = tl.load(lease + 2).to(tl.pointer_type(tl.int64))
+    else:
+        stamp_row = tl.load(lease + 2).to(tl.pointer_type(tl.int32))
+    if MAP16:
+        map_row = tl.load(lease + 3).to(tl.pointer_type(tl.int16))
+    else:
+        map_row = tl.load(lease + 3).to(tl.pointer_type(tl.int32))
+    return hot_row, held_row, stamp_row, map_row, tl.load(lease + 4).to(tl.int32)
+
+
+@triton.jit
+def _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK: tl.constexpr):
+    """Slots r0..r0+R_BLOCK: their LRU key (-1 when empty, else last use) and whether they may be
+    victims (not used this step)."""
+    offs_r = r0 + tl.arange(0, R_BLOCK)
+    rmask = offs_r < R
+    held = tl.load(held_row + offs_r, mask=rmask, other=-1)
+    key = tl.where(held < 0, -1, tl.load(stamp_row + offs_r, mask=rmask, other=0))
+    return offs_r, key, rmask & (key < step)
+
+
+@triton.jit(do_not_specialize=["K", "max_pages"], do_not_specialize_on_alignment=["topk_ptr", "counts_ptr"])
 def _plan_kernel(
-    topk_ptr, counts_ptr, gpu_page_ptr, host_page_ptr, hot_slots_ptr,
-    slot_pos_ptr, slot_stamp_ptr, pos_to_hot_ptr, step_ptr,
+    topk_ptr, counts_ptr, gpu_page_ptr, host_page_ptr, lease_ptr, step_ptr,
     kv_ptr, num_copied_ptr, victim_ptr, copy_src_ptr, copy_dst_ptr,
-    K, R, max_pages, max_ctx,
+    K, max_pages,
     PAGE: tl.constexpr, K_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, WAYS: tl.constexpr,
+    STAMP64: tl.constexpr, MAP16: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     step = tl.load(step_ptr)
-    stamp_row = slot_stamp_ptr + b * R
-    held_row = slot_pos_ptr + b * R
-    map_row = pos_to_hot_ptr + b * max_ctx
+    hot_row, held_row, stamp_row, map_row, R = _lease_rows(lease_ptr + b * LEASE_COLUMNS, STAMP64, MAP16)
 
     # classify: resident page, hot hit through the reverse map, miss
     offs_k = tl.arange(0, K_BLOCK)
@@ -100,34 +141,49 @@ def _plan_kernel(
     tl.store(stamp_row + h, step, mask=hit)
     num_miss = tl.sum(miss.to(tl.int32), 0)
 
-    # misses only: victims, reverse-map and LRU updates, the copy list
+    # misses only: victims, reverse-map and LRU updates, the copy list. The slots are read in
+    # chunks of R_BLOCK, so one compiled plan serves hot buffers of any size.
     num_served = num_miss * 0
     served = offs_k < 0
     v = h * 0
     miss_rank = h * 0
     if num_miss > 0:
         tl.debug_barrier()  # hit stamps are visible: hit slots are not candidates
-        offs_r = tl.arange(0, R_BLOCK)
-        rmask = offs_r < R
-        held = tl.load(held_row + offs_r, mask=rmask, other=-1)
-        key = tl.where(held < 0, -1, tl.load(stamp_row + offs_r, mask=rmask, other=0))
-        cand = rmask & (key < step)
-        num_served = tl.minimum(num_miss, tl.sum(cand.to(tl.int32), 0))
-        lo = tl.min(tl.where(cand, key, step), 0)
-        hi = tl.max(tl.where(cand, key, -2), 0)
+        num_cand = num_miss * 0
+        lo = step
+        hi = step * 0 - 2
+        for r0 in range(0, R, R_BLOCK):
+            offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+            num_cand += tl.sum(cand.to(tl.int32), 0)
+            lo = tl.minimum(lo, tl.min(tl.where(cand, key, step), 0))
+            hi = tl.maximum(hi, tl.max(tl.where(cand, key, -2), 0))
+        num_served = tl.minimum(num_miss, num_cand)
         ways = tl.arange(0, WAYS)
         while lo < hi:  # smallest threshold with num_miss candidates at or below it, WAYS probes a round
             probe = lo + ((hi - lo).to(tl.int64) * (ways + 1) // (WAYS + 1)).to(lo.dtype)
-            at_or_below = cand[:, None] & (key[:, None] <= probe[None, :])
-            enough = tl.sum(at_or_below.to(tl.int32), 0) >= num_miss
+            at_or_below = ways * 0
+            for r0 in range(0, R, R_BLOCK):
+                offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+                at_or_below += tl.sum((cand[:, None] & (key[:, None] <= probe[None, :])).to(tl.int32), 0)
+            enough = at_or_below >= num_miss
             hi = tl.min(tl.where(enough, probe, hi), 0)
             lo = tl.max(tl.where(enough, lo, probe + 1), 0)
-        below = cand & (key < lo)
-        at = cand & (key == lo)
-        at_rank = tl.cumsum(at.to(tl.int32), 0) - 1
-        victim = below | (at & (at_rank < num_miss - tl.sum(below.to(tl.int32), 0)))
-        victim_rank = tl.cumsum(victim.to(tl.int32), 0) - 1
-        tl.store(victim_ptr + b * K + victim_rank, offs_r, mask=victim)
+        num_below = num_miss * 0
+        for r0 in range(0, R, R_BLOCK):
+            offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+            num_below += tl.sum((cand & (key < lo)).to(tl.int32), 0)
+        at_quota = num_miss - num_below  # slots stamped exactly `lo` that become victims, lowest index first
+        num_at = num_miss * 0
+        num_victims = num_miss * 0
+        for r0 in range(0, R, R_BLOCK):
+            offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+            at = cand & (key == lo)
+            at_rank = num_at + tl.cumsum(at.to(tl.int32), 0) - 1
+            victim = (cand & (key < lo)) | (at & (at_rank < at_quota))
+            victim_rank = num_victims + tl.cumsum(victim.to(tl.int32), 0) - 1
+            tl.store(victim_ptr + b * K + victim_rank, offs_r, mask=victim & (victim_rank < num_served))
+            num_at += tl.sum(at.to(tl.int32), 0)
+            num_victims += tl.sum(victim.to(tl.int32), 0)
         tl.debug_barrier()
         # victims go to misses in top-K order
         miss_rank = tl.cumsum(miss.to(tl.int32), 0) - 1
@@ -136,39 +192,46 @@ def _plan_kernel(
         old = tl.load(held_row + v, mask=served, other=-1)
         tl.store(map_row + old, -1, mask=served & (old >= 0))
         tl.debug_barrier()
-        tl.store(map_row + pos, v, mask=served)
+        tl.store(map_row + pos, v.to(map_row.dtype.element_ty), mask=served)
         tl.store(held_row + v, pos, mask=served)
         tl.store(stamp_row + v, step, mask=served)
         host_page = tl.load(host_page_ptr + b * max_pages + page, mask=served, other=0)
         tl.store(copy_src_ptr + b * K + miss_rank, host_page * PAGE + tok, mask=served)
 
     use = hit | served
-    hot = tl.load(hot_slots_ptr + b * R + tl.where(hit, h, v), mask=use, other=-1)
+    hot = tl.load(hot_row + tl.where(hit, h, v), mask=use, other=-1)
     kv = tl.where(resident, gpage * PAGE + tok, tl.where(use, hot, -1))
     tl.store(kv_ptr + b * K + offs_k, kv, mask=offs_k < K)
     tl.store(copy_dst_ptr + b * K + miss_rank, hot, mask=served)
     tl.store(num_copied_ptr + b, num_served)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "K", "page_words", "group_words", "run_words"])
 def _copy_kernel(
     num_copied_ptr, copy_src_ptr, copy_dst_ptr, host_ptr, gpu_ptr,
     B, K, page_words, group_words, run_words,
     PAGE: tl.constexpr, B_BLOCK: tl.constexpr, RUNS: tl.constexpr, RUN_BLOCK: tl.constexpr,
 ):
-    offs_b = tl.arange(0, B_BLOCK)
-    n = tl.load(num_copied_ptr + offs_b, mask=offs_b < B, other=0)
-    ends = tl.cumsum(n, 0)
-    total = tl.sum(n, 0)
+    total = 0
+    for c0 in range(0, B, B_BLOCK):
+        offs_b = c0 + tl.arange(0, B_BLOCK)
+        total += tl.sum(tl.load(num_copied_ptr + offs_b, mask=offs_b < B, other=0), 0)
     offs_w = tl.arange(0, RUN_BLOCK)
     in_run = offs_w < run_words
     for first in range(tl.program_id(0) * RUNS, total, tl.num_programs(0) * RUNS):
         g = first + tl.arange(0, RUNS)
         live = g < total
-        done = ends[None, :] <= g[:, None]  # requests wholly before miss g
-        req = tl.sum(done.to(tl.int32), 1)
-        m = g - tl.sum(tl.where(done, n[None, :], 0), 1)
-        idx = req.to(tl.int64) * K + m
+        req = g * 0  # requests wholly before miss g, and their misses, over chunks of B_BLOCK requests
+        before = g * 0
+        ends = 0
+        for c0 in range(0, B, B_BLOCK):
+            offs_b = c0 + tl.arange(0, B_BLOCK)
+            n = tl.load(num_copied_ptr + offs_b, mask=offs_b < B, other=0)
+            done = (ends + tl.cumsum(n, 0))[None, :] <= g[:, None]
+            req += tl.sum(done.to(tl.int32), 1)
+            before += tl.sum(tl.where(done, n[None, :], 0), 1)
+            ends += tl.sum(n, 0)
+        idx = req.to(tl.int64) * K + (g - before)
         src = tl.load(copy_src_ptr + idx, mask=live, other=0)
         dst = tl.load(copy_dst_ptr + idx, mask=live, other=0)
         src_off = (src // PAGE).to(tl.int64) * page_words + group_words + (src % PAGE) * run_words
@@ -181,27 +244,29 @@ def _copy_kernel(
 # --- launchers -----------------------------------------------------------------------
 
 
-def _check(topk_pos, counts, gpu_slot_of_page, host_page_of_page, hot_slots, slot_pos, slot_stamp,
-           pos_to_hot, step, group_offset, run_bytes, gpu_pool, host_pool, page_size) -> None:
+class LeaseState(NamedTuple):
+    """One request's LRU tables of one group: 1-D views that a resolve updates in place."""
+
+    hot_slots: torch.Tensor  # [R] int32 physical slot of each hot slot
+    slot_pos: torch.Tensor  # [R] int32 token held by each slot, -1 when empty
+    slot_stamp: torch.Tensor  # [R] int32/int64 step of last use
+    pos_to_hot: torch.Tensor  # [capacity] int16/int32 hot slot of each position, -1 when none
+
+
+def _check_batch(topk_pos, counts, gpu_slot_of_page, host_page_of_page, step, group_offset, run_bytes,
+                 gpu_pool, host_pool, page_size) -> None:
     b, k = topk_pos.shape
-    r = hot_slots.shape[1]
     expect = {
-        "topk_pos": (topk_pos, (b, k), (torch.int32,)),
-        "counts": (counts, (b,), (torch.int32,)),
-        "gpu_slot_of_page": (gpu_slot_of_page, (b, gpu_slot_of_page.shape[-1]), (torch.int32,)),
-        "host_page_of_page": (host_page_of_page, tuple(gpu_slot_of_page.shape), (torch.int32,)),
-        "hot_slots": (hot_slots, (b, r), (torch.int32,)),
-        "slot_pos": (slot_pos, (b, r), (torch.int32,)),
-        "slot_stamp": (slot_stamp, (b, r), (torch.int32, torch.int64)),
-        "pos_to_hot": (pos_to_hot, (b, pos_to_hot.shape[-1]), (torch.int16, torch.int32)),
+        "topk_pos": (topk_pos, (b, k)),
+        "counts": (counts, (b,)),
+        "gpu_slot_of_page": (gpu_slot_of_page, (b, gpu_slot_of_page.shape[-1])),
+        "host_page_of_page": (host_page_of_page, tuple(gpu_slot_of_page.shape)),
     }
-    for name, (t, shape, dtypes) in expect.items():
-        if tuple(t.shape) != shape or t.dtype not in dtypes:
-            raise ValueError(f"{name}: expected shape {shape} dtype in {dtypes}, got {tuple(t.shape)} {t.dtype}")
+    for name, (t, shape) in expect.items():
+        if tuple(t.shape) != shape or t.dtype != torch.int32:
+            raise ValueError(f"{name}: expected shape {shape} dtype int32, got {tuple(t.shape)} {t.dtype}")
         if not t.is_contiguous() or t.device != gpu_pool.device:
             raise ValueError(f"{name} must be contiguous on {gpu_pool.device}")
-    if pos_to_hot.dtype == torch.int16 and r > torch.iinfo(torch.int16).max:
-        raise ValueError("an int16 reverse map holds at most 32767 hot slots")
     if isinstance(step, torch.Tensor) and (step.numel() != 1 or step.device != gpu_pool.device):
         raise ValueError("step must be an int or a one-element tensor on the pool's device")
     for name, pool in (("gpu_pool", gpu_pool), ("host_pool", host_pool)):
@@ -215,40 +280,82 @@ def _check(topk_pos, counts, gpu_slot_of_page, host_page_of_page, hot_slots, slo
         raise ValueError("the group's runs must lie inside a page")
 
 
+def _check_tables(hot_slots, slot_pos, slot_stamp, pos_to_hot, device) -> None:
+    """A [B, R] stack or one lease's [R] views: dtypes, matching slot counts, contiguity, device."""
+    r = hot_slots.shape[-1]
+    expect = {
+        "hot_slots": (hot_slots, (torch.int32,)),
+        "slot_pos": (slot_pos, (torch.int32,)),
+        "slot_stamp": (slot_stamp, (torch.int32, torch.int64)),
+        "pos_to_hot": (pos_to_hot, (torch.int16, torch.int32)),
+    }
+    for name, (t, dtypes) in expect.items():
+        if t.dtype not in dtypes or (name != "pos_to_hot" and t.shape[-1] != r):
+            raise ValueError(f"{name}: expected {r} slots of dtype in {dtypes}, got {tuple(t.shape)} {t.dtype}")
+        if not t.is_contiguous() or t.device != device:
+            raise ValueError(f"{name} must be contiguous on {device}")
+    if pos_to_hot.dtype == torch.int16 and r > torch.iinfo(torch.int16).max:
+        raise ValueError("an int16 reverse map holds at most 32767 hot slots")
+
+
 def _is_pinned(host_pool: torch.Tensor) -> bool:
     """Pinned check, skipped while a CUDA graph is being captured (checked at the eager call)."""
     return torch.cuda.is_current_stream_capturing() or host_pool.is_pinned()
 
 
-def _step_tensor(step: int | torch.Tensor, stamp: torch.Tensor) -> torch.Tensor:
+def _step_tensor(step: int | torch.Tensor, stamp_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if isinstance(step, torch.Tensor):
-        return step.reshape(1).to(stamp.dtype)
-    return torch.full((1,), step, dtype=stamp.dtype, device=stamp.device)
+        return step.reshape(1).to(stamp_dtype)
+    return torch.full((1,), step, dtype=stamp_dtype, device=device)
+
+
+def _stacked_lease_table(hot_slots, slot_pos, slot_stamp, pos_to_hot) -> torch.Tensor:
+    """Lease table rows of [B, R] stacked tables, computed on the device (capturable in a graph)."""
+    b, r = hot_slots.shape
+    rows = torch.arange(b, dtype=torch.int64, device=hot_slots.device)
+    cols = [t.data_ptr() + rows * (t.stride(0) * t.element_size())
+            for t in (hot_slots, slot_pos, slot_stamp, pos_to_hot)]
+    cols += [torch.full_like(rows, r), torch.full_like(rows, pos_to_hot.shape[1])]
+    return torch.stack(cols, 1)
+
+
+def _lease_table(leases: Sequence[LeaseState], device: torch.device) -> torch.Tensor:
+    """Lease table rows of separate leases: their addresses, built on the host and moved once."""
+    rows = [[*(t.data_ptr() for t in lease), lease.hot_slots.numel(), lease.pos_to_hot.numel()] for lease in leases]
+    return torch.tensor(rows, dtype=torch.int64).to(device)
+
+
+def _launch_plan(topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_table, stamp_dtype, map_dtype,
+                 step, gpu_pool, out, page_size, num_warps) -> ResolvePlan:
+    b, k = topk_pos.shape
+    dev = gpu_pool.device
+    kv_slots = torch.empty((b, k), dtype=torch.int32, device=dev) if out is None else out
+    if kv_slots.shape != (b, k) or kv_slots.dtype != torch.int32 or not kv_slots.is_contiguous() or kv_slots.device != dev:
+        raise ValueError("out must be a contiguous [B, K] int32 tensor on the pool's device")
+    num_copied = torch.empty(b, dtype=torch.int32, device=dev)
+    work = torch.empty((3, b, k), dtype=torch.int32, device=dev)
+    _plan_kernel[(b,)](
+        topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_table, _step_tensor(step, stamp_dtype, dev),
+        kv_slots, num_copied, work[0], work[1], work[2],
+        k, gpu_slot_of_page.shape[1],
+        PAGE=page_size, K_BLOCK=triton.next_power_of_2(k), R_BLOCK=_R_BLOCK, WAYS=_SEARCH_WAYS,
+        STAMP64=stamp_dtype == torch.int64, MAP16=map_dtype == torch.int16, num_warps=num_warps,
+    )
+    return ResolvePlan(kv_slots, num_copied, work[1], work[2])
 
 
 def plan_group(topk_pos, counts, gpu_slot_of_page, host_page_of_page, hot_slots, slot_pos, slot_stamp,
                pos_to_hot, step, group_offset, run_bytes, gpu_pool, host_pool, out=None,
                page_size: int = PAGE_SIZE, num_warps: int = 8) -> ResolvePlan:
-    """The plan launch alone: slots, LRU updates and the copy list; copies nothing."""
-    _check(topk_pos, counts, gpu_slot_of_page, host_page_of_page, hot_slots, slot_pos, slot_stamp,
-           pos_to_hot, step, group_offset, run_bytes, gpu_pool, host_pool, page_size)
-    b, k = topk_pos.shape
-    r = hot_slots.shape[1]
-    kv_slots = torch.empty((b, k), dtype=torch.int32, device=gpu_pool.device) if out is None else out
-    if (kv_slots.shape != (b, k) or kv_slots.dtype != torch.int32 or not kv_slots.is_contiguous()
-            or kv_slots.device != gpu_pool.device):
-        raise ValueError("out must be a contiguous [B, K] int32 tensor on the pool's device")
-    num_copied = torch.empty(b, dtype=torch.int32, device=gpu_pool.device)
-    work = torch.empty((3, b, k), dtype=torch.int32, device=gpu_pool.device)
-    _plan_kernel[(b,)](
-        topk_pos, counts, gpu_slot_of_page, host_page_of_page, hot_slots,
-        slot_pos, slot_stamp, pos_to_hot, _step_tensor(step, slot_stamp),
-        kv_slots, num_copied, work[0], work[1], work[2],
-        k, r, gpu_slot_of_page.shape[1], pos_to_hot.shape[1],
-        PAGE=page_size, K_BLOCK=triton.next_power_of_2(k), R_BLOCK=triton.next_power_of_2(r),
-        WAYS=_SEARCH_WAYS, num_warps=num_warps,
-    )
-    return ResolvePlan(kv_slots, num_copied, work[1], work[2])
+    """The plan launch alone over [B, R] stacked tables: slots, LRU updates and the copy list."""
+    _check_batch(topk_pos, counts, gpu_slot_of_page, host_page_of_page, step, group_offset, run_bytes,
+                 gpu_pool, host_pool, page_size)
+    _check_tables(hot_slots, slot_pos, slot_stamp, pos_to_hot, gpu_pool.device)
+    if not hot_slots.shape[0] == slot_pos.shape[0] == slot_stamp.shape[0] == pos_to_hot.shape[0] == topk_pos.shape[0]:
+        raise ValueError("stacked tables need one row per request")
+    table = _stacked_lease_table(hot_slots, slot_pos, slot_stamp, pos_to_hot)
+    return _launch_plan(topk_pos, counts, gpu_slot_of_page, host_page_of_page, table, slot_stamp.dtype,
+                        pos_to_hot.dtype, step, gpu_pool, out, page_size, num_warps)
 
 
 def _word_views(gpu_pool, host_pool, group_offset, run_bytes) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -274,7 +381,7 @@ def copy_misses(plan: ResolvePlan, group_offset: int, run_bytes: int, gpu_pool: 
     _copy_kernel[grid](
         plan.num_copied, plan.copy_src, plan.copy_dst, host_words, gpu_words,
         b, k, gpu_pool.shape[1] // word, group_offset // word, run_bytes // word,
-        PAGE=page_size, B_BLOCK=triton.next_power_of_2(b), RUNS=_COPY_RUNS_PER_PROGRAM,
+        PAGE=page_size, B_BLOCK=_B_BLOCK, RUNS=_COPY_RUNS_PER_PROGRAM,
         RUN_BLOCK=triton.next_power_of_2(run_bytes // word), num_warps=num_warps,
     )
 
@@ -298,6 +405,26 @@ def resolve_group(topk_pos, counts, gpu_slot_of_page, host_page_of_page, hot_slo
     return ResolveResult(plan.kv_slots, plan.num_copied)
 
 
+def resolve_leases(topk_pos, counts, gpu_slot_of_page, host_page_of_page, leases: Sequence[LeaseState], step,
+                   group_offset, run_bytes, gpu_pool, host_pool, out=None, page_size: int = PAGE_SIZE) -> ResolveResult:
+    """`resolve_group` over each request's own tables (`leases[b]` for row b), read and updated where
+    they live: requests with hot buffers of different sizes resolve in one launch, nothing is
+    stacked or written back. The lease table is built on the host (not capturable in a graph)."""
+    _check_batch(topk_pos, counts, gpu_slot_of_page, host_page_of_page, step, group_offset, run_bytes,
+                 gpu_pool, host_pool, page_size)
+    if len(leases) != topk_pos.shape[0]:
+        raise ValueError(f"{topk_pos.shape[0]} rows need as many leases, got {len(leases)}")
+    for lease in leases:
+        _check_tables(*lease, gpu_pool.device)
+    stamp_dtype, map_dtype = leases[0].slot_stamp.dtype, leases[0].pos_to_hot.dtype
+    if any(lease.slot_stamp.dtype != stamp_dtype or lease.pos_to_hot.dtype != map_dtype for lease in leases):
+        raise ValueError("every lease of one resolve needs the same stamp and reverse-map dtypes")
+    plan = _launch_plan(topk_pos, counts, gpu_slot_of_page, host_page_of_page, _lease_table(leases, gpu_pool.device),
+                        stamp_dtype, map_dtype, step, gpu_pool, out, page_size, num_warps=8)
+    copy_misses(plan, group_offset, run_bytes, gpu_pool, host_pool, page_size=page_size)
+    return ResolveResult(plan.kv_slots, plan.num_copied)
+
+
 # --- PyTorch twin --------------------------------------------------------------------
 
 
@@ -309,8 +436,9 @@ def resolve_group_reference(topk_pos, counts, gpu_slot_of_page, host_page_of_pag
                             slot_stamp, pos_to_hot, step, group_offset, run_bytes, gpu_pool, host_pool,
                             out=None, page_size: int = PAGE_SIZE) -> ResolveResult:
     """Plain PyTorch twin of `resolve_group`: same outputs, same state updates, same bytes."""
-    _check(topk_pos, counts, gpu_slot_of_page, host_page_of_page, hot_slots, slot_pos, slot_stamp,
-           pos_to_hot, step, group_offset, run_bytes, gpu_pool, host_pool, page_size)
+    _check_batch(topk_pos, counts, gpu_slot_of_page, host_page_of_page, step, group_offset, run_bytes,
+                 gpu_pool, host_pool, page_size)
+    _check_tables(hot_slots, slot_pos, slot_stamp, pos_to_hot, gpu_pool.device)
     b, k = topk_pos.shape
     r = hot_slots.shape[1]
     dev = gpu_pool.device
@@ -356,6 +484,24 @@ def resolve_group_reference(topk_pos, counts, gpu_slot_of_page, host_page_of_pag
                          group_offset, run_bytes, gpu_pool, host_pool, page_size)
     return ResolveResult(kv_slots, num_served.int())
 
+
+
+def resolve_leases_reference(topk_pos, counts, gpu_slot_of_page, host_page_of_page, leases: Sequence[LeaseState],
+                             step, group_offset, run_bytes, gpu_pool, host_pool, out=None,
+                             page_size: int = PAGE_SIZE) -> ResolveResult:
+    """Plain PyTorch twin of `resolve_leases`: the stacked twin on each request's own tables in turn
+    (requests touch disjoint slots, so one at a time equals one launch for all)."""
+    if len(leases) != topk_pos.shape[0]:
+        raise ValueError(f"{topk_pos.shape[0]} rows need as many leases, got {len(leases)}")
+    kv_slots = torch.empty(topk_pos.shape, dtype=torch.int32, device=gpu_pool.device) if out is None else out
+    num_copied = torch.zeros(len(leases), dtype=torch.int32, device=gpu_pool.device)
+    for b, lease in enumerate(leases):
+        one = slice(b, b + 1)
+        result = resolve_group_reference(
+            topk_pos[one], counts[one], gpu_slot_of_page[one], host_page_of_page[one],
+            *(t[None] for t in lease), step, group_offset, run_bytes, gpu_pool, host_pool, page_size=page_size)
+        kv_slots[one], num_copied[one] = result.kv_slots, result.num_copied
+    return ResolveResult(kv_slots, num_copied)
 
 def _group_runs(pool: torch.Tensor, group_offset: int, run_bytes: int, page_size: int) -> torch.Tensor:
     """[pages, page_size, run_bytes] strided view of one group's runs."""

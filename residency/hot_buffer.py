@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.resolve import LeaseState
+
 PAGE_SIZE = 64
 
 
@@ -59,3 +61,7 @@ class HotTables:
         grow = max(num_tokens, 2 * have) - have
         pad = torch.full((self.pos_to_hot.shape[0], grow), -1, dtype=torch.int32, device=self.pos_to_hot.device)
         self.pos_to_hot = torch.cat([self.pos_to_hot, pad], dim=1)
+
+    def lease(self, group: int) -> LeaseState:
+        """This lease's tables of one IndexShare group, as views the resolve updates in place."""
+        return LeaseState(self.hot_slots, self.slot_pos[group], self.slot_stamp[group], self.pos_to_hot[group])

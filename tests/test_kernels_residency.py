@@ -120,7 +120,10 @@ def run_resolve(fn, case: ResolveCase, topk, counts, state, step, group):
     (4, [384, 300, 200], 16, 20, 1 << 40, torch.int64, torch.int16),  # wide stamp range: many search rounds
     (5, [384, 384], 32, 48, 2_000_000_000, torch.int32, torch.int32),
 ])
-def test_resolve_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtype):
+@pytest.mark.parametrize("r_block,b_block", [(1024, 64), (8, 2)])  # one chunk; many chunks of slots and requests
+def test_resolve_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtype, r_block, b_block, monkeypatch):
+    monkeypatch.setattr(resolve, "_R_BLOCK", r_block)
+    monkeypatch.setattr(resolve, "_B_BLOCK", b_block)
     rng = random.Random(seed)
     case = make_case(rng, ctx, num_hot, 384, step=step, stamp_dtype=stamp_dtype, map_dtype=map_dtype)
     topk, counts, _ = make_topk(rng, ctx, k)
@@ -133,6 +136,40 @@ def test_resolve_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtyp
         for g, w in zip(got_state, want_state):
             assert torch.equal(g, w)
 
+
+
+@pytest.mark.parametrize("r_block", [1024, 8])
+def test_resolve_leases_matches_twin(r_block, monkeypatch):
+    """Requests whose hot buffers differ in size resolve in one launch on their own tables."""
+    monkeypatch.setattr(resolve, "_R_BLOCK", r_block)
+    rng = random.Random(7)
+    ctx, sizes, step = [300, 384, 130, 200], [40, 17, 24, 33], 12
+    case = make_case(rng, ctx, max(sizes), 384, step=step)
+    for i, r in enumerate(sizes):  # shrink request i's buffer to its first r slots
+        for pos in case.slot_pos[i, r:].tolist():
+            if pos >= 0:
+                case.pos_to_hot[i, pos] = -1
+        case.slot_pos[i, r:] = -1
+    topk, counts, _ = make_topk(rng, ctx, 32)
+
+    def leases(state):
+        slot_pos, slot_stamp, pos_to_hot, _ = state
+        return [resolve.LeaseState(case.hot_slots[i, :r], slot_pos[i, :r], slot_stamp[i, :r], pos_to_hot[i])
+                for i, r in enumerate(sizes)]
+
+    for group in (0, 1):
+        got_state, want_state = case.state(), case.state()
+        args = (topk, counts, case.gpu_page, case.host_page)
+        place = (step, *group_place(group))
+        got = resolve.resolve_leases(*args, leases(got_state), *place, got_state[3], case.host_pool)
+        want = resolve.resolve_leases_reference(*args, leases(want_state), *place, want_state[3], case.host_pool)
+        assert int(want.num_copied.sum()) > 0
+        assert torch.equal(got.kv_slots, want.kv_slots)
+        assert torch.equal(got.num_copied, want.num_copied)
+        for g, w in zip(got_state, want_state):
+            assert torch.equal(g, w)
+        for i, r in enumerate(sizes):  # no request wrote past its own slots
+            assert (got_state[0][i, r:] == -1).all()
 
 # --- resolve: step-by-step against a pure-Python LRU model ---------------------------------
 

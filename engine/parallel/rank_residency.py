@@ -26,7 +26,7 @@ from kernels import page_mirror, resolve
 from residency.hot_buffer import PAGE_SIZE, HotTables
 from residency.manager import ResolveCounts
 
-# Host-only positions of one request's rows resolved per call: bounds the plan launch's tile.
+# Host-only positions of one request's rows resolved per call: the plan launch's fixed width.
 _UNION_PIECE = 4096
 
 
@@ -39,7 +39,23 @@ class RankResidency:
         self.tables: dict[str, HotTables] = {}
         self._tally: torch.Tensor | None = None  # [lookups of host-only rows, misses, miss bytes] since last read
         self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
-        self._resolve = resolve.resolve_group if pool.is_cuda else resolve.resolve_group_reference
+        self._resolve = resolve.resolve_leases if pool.is_cuda else resolve.resolve_leases_reference
+
+    def warm_up(self, topk: int) -> None:
+        """Compiles the resolve kernels for this pool before the first step: a compile takes about a
+        second, and a serving step must not wait for one. Each resolves one resident position, so no
+        table, slot or page changes. Nothing to compile off the GPU."""
+        if not self.pool.is_cuda:
+            return
+        dev = self.pool.device
+        lease = [HotTables.new((0,), 1, PAGE_SIZE, dev).lease(0)]
+        page = torch.zeros(1, 1, dtype=torch.int32, device=dev)  # logical page 0 is GPU page 0
+        count = torch.ones(1, dtype=torch.int32, device=dev)
+        for width in sorted({topk, _UNION_PIECE}):
+            positions = torch.zeros(1, width, dtype=torch.int32, device=dev)
+            for group in range(self.num_groups):
+                self._resolve(positions, count, page, page, lease, 0, self.group_offsets[group],
+                              self.group_run_bytes[group], self.pool, self.host)
 
     # --- leases ----------------------------------------------------------------------
 
@@ -99,10 +115,10 @@ class RankResidency:
         one request's query rows that live only on host, loading misses into its hot rows.
 
         The rows' host-only selections are merged into one sorted union and resolved in pieces of
-        at most `_UNION_PIECE` positions (and never more than the hot rows) under one step stamp,
-        so no piece evicts a slot the step already uses: a step loads each host-only token at most
-        once, and the scheduler sizes the hot buffer for the step's union. Rows read their slots
-        back through the union's inverse map.
+        `_UNION_PIECE` positions (one compiled plan for every piece) under one step stamp, so no
+        piece evicts a slot the step already uses: a step loads each host-only token at most once,
+        and the scheduler sizes the hot buffer for the step's union. Rows read their slots back
+        through the union's inverse map.
         """
         tables = self.tables[spec.request_id]
         tables.ensure_capacity(spec.num_tokens)
@@ -113,61 +129,47 @@ class RankResidency:
         union, inverse = torch.unique(positions[valid], return_inverse=True)
         if union.numel() == 0:
             return
-        piece = min(_UNION_PIECE, tables.hot_slots.numel())
         union_slots = torch.empty(union.numel(), dtype=torch.long, device=dev)
         copied = torch.zeros((), dtype=torch.long, device=dev)
-        padded = torch.zeros(piece, dtype=torch.int32, device=dev)  # one shape per lease: one compiled plan
-        for begin in range(0, union.numel(), piece):
-            part = union[begin : begin + piece]
-            padded[: part.numel()] = part
+        padded = torch.zeros(1, _UNION_PIECE, dtype=torch.int32, device=dev)
+        lease = [tables.lease(group)]
+        for begin in range(0, union.numel(), _UNION_PIECE):
+            part = union[begin : begin + _UNION_PIECE]
+            padded[0, : part.numel()] = part
             result = self._resolve(
-                padded[None], torch.tensor([part.numel()], dtype=torch.int32, device=dev), gpu, host,
-                tables.hot_slots[None], tables.slot_pos[group : group + 1], tables.slot_stamp[group : group + 1],
-                tables.pos_to_hot[group : group + 1], step, self.group_offsets[group],
-                self.group_run_bytes[group], self.pool, self.host,
+                padded, torch.tensor([part.numel()], dtype=torch.int32, device=dev), gpu, host, lease, step,
+                self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host,
             )
             union_slots[begin : begin + part.numel()] = result.kv_slots[0, : part.numel()].long()
             copied += result.num_copied.sum()
         slots[valid] = union_slots[inverse].clamp(min=0)
         self._count(group, valid.sum(), copied)
 
-    def resolve_decode(self, specs: Sequence[NonResidentSpec], group: int, positions: torch.Tensor,
-                       lens: torch.Tensor, step: int) -> torch.Tensor:
-        """KV slots [B, K] for one decode row of each of B requests, in one resolve for the group.
-
-        The requests' tables are stacked (padded: missing pages -1; missing hot slots look held and
-        used this step, so they are never victims), resolved together, and written back.
-        """
-        dev = self.pool.device
-        tables = [self.tables[s.request_id] for s in specs]
-        for t, s in zip(tables, specs):
-            t.ensure_capacity(s.num_tokens)
+    def decode_page_tables(self, specs: Sequence[NonResidentSpec]) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, P] GPU and host page of each logical page of B requests (-1 past a request's pages),
+        built on the host and moved once: every group of the step resolves against them."""
         num_pages = max(s.gpu_pages.numel() for s in specs)
-        rows = max(t.hot_slots.numel() for t in tables)
-        capacity = max(t.pos_to_hot.shape[1] for t in tables)
-        b = len(specs)
-        gpu = torch.full((b, num_pages), -1, dtype=torch.int32)  # built on the host, moved once
-        host = torch.full((b, num_pages), -1, dtype=torch.int32)
-        hot_slots = torch.zeros((b, rows), dtype=torch.int32, device=dev)
-        slot_pos = torch.zeros((b, rows), dtype=torch.int32, device=dev)  # padding: "held" and used now
-        slot_stamp = torch.full((b, rows), step, dtype=torch.int64, device=dev)
-        pos_to_hot = torch.full((b, capacity), -1, dtype=torch.int32, device=dev)
+        gpu = torch.full((len(specs), num_pages), -1, dtype=torch.int32)
+        host = torch.full((len(specs), num_pages), -1, dtype=torch.int32)
         for i, s in enumerate(specs):
             gpu[i, : s.gpu_pages.numel()], host[i, : s.host_pages.numel()] = s.gpu_pages, s.host_pages
-        gpu, host = gpu.to(dev), host.to(dev)
-        for i, t in enumerate(tables):
-            r, c = t.hot_slots.numel(), t.pos_to_hot.shape[1]
-            hot_slots[i, :r], slot_pos[i, :r], slot_stamp[i, :r] = t.hot_slots, t.slot_pos[group], t.slot_stamp[group]
-            pos_to_hot[i, :c] = t.pos_to_hot[group]
+        return gpu.to(self.pool.device), host.to(self.pool.device)
+
+    def resolve_decode(self, specs: Sequence[NonResidentSpec], page_tables: tuple[torch.Tensor, torch.Tensor],
+                       group: int, positions: torch.Tensor, lens: torch.Tensor, step: int) -> torch.Tensor:
+        """KV slots [B, K] for one decode row of each of B requests, in one resolve for the group that
+        reads and updates every request's own tables where they live."""
+        leases = []
+        for s in specs:
+            tables = self.tables[s.request_id]
+            tables.ensure_capacity(s.num_tokens)
+            leases.append(tables.lease(group))
+        gpu, host = page_tables
         result = self._resolve(
-            positions.to(torch.int32), lens.to(torch.int32), gpu, host, hot_slots, slot_pos, slot_stamp,
-            pos_to_hot, step, self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host,
+            positions.to(torch.int32), lens.to(torch.int32), gpu, host, leases, step,
+            self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host,
         )
-        for i, t in enumerate(tables):
-            r, c = t.hot_slots.numel(), t.pos_to_hot.shape[1]
-            t.slot_pos[group], t.slot_stamp[group], t.pos_to_hot[group] = slot_pos[i, :r], slot_stamp[i, :r], \
-                pos_to_hot[i, :c]
-        valid = torch.arange(positions.shape[1], device=dev)[None, :] < lens[:, None]
+        valid = torch.arange(positions.shape[1], device=gpu.device)[None, :] < lens[:, None]
         page = torch.where(valid, positions, 0).long() // PAGE_SIZE
         self._count(group, (valid & (gpu.gather(1, page) < 0)).sum(), result.num_copied.sum())
         return result.kv_slots.long().clamp(min=0)

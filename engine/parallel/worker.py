@@ -47,6 +47,7 @@ class Worker:
         self.rank, self.device = rank, device
         cfg = ModelConfig.from_dir(spec.model_dir)
         self.layout = KVLayout.for_model(cfg, spec.kv_format)
+        self.index_topk = cfg.index_topk
         with torch.device(device):
             self.model = GlmMoeDsaForCausalLM(cfg, TensorParallel(rank, spec.tp_size)).to(spec.dtype)
         # The router's correction bias and the indexer's head weights stay in float32, as published.
@@ -83,6 +84,7 @@ class Worker:
 
     def attach_host_pool(self, host: torch.Tensor) -> None:
         self.residency = RankResidency(self.layout, self.kv_pool, host)
+        self.residency.warm_up(self.index_topk)
 
     def execute_model(self, step: StepInput) -> StepOutput:
         batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
