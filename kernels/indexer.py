@@ -154,14 +154,14 @@ def _load_keys(kv_ptr, table_row, t0, visible, num_table_pages, stride_kp,
     return k, ksc
 
 
-@triton.jit
+# Sizes that change from step to step are not specialised on: a new batch shape reuses the compiled kernel.
+@triton.jit(do_not_specialize=["stride_tb", "num_table_pages", "width", "tiles"])
 def _indexer_score_kernel(
     q_ptr, w_ptr, kv_ptr, table_ptr, req_ptr, vis_ptr, score_ptr,
     stride_qn, stride_qh, stride_wn, stride_kp, stride_tb, stride_sn,
-    num_heads, num_table_pages, width, scale,
+    num_heads, num_table_pages, width, scale, tiles,
     DI: tl.constexpr, TOKENS: tl.constexpr, ROW: tl.constexpr, KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = tl.program_id(1)
@@ -172,11 +172,11 @@ def _indexer_score_kernel(
     w = tl.load(w_ptr + n.to(tl.int64) * stride_wn + heads, mask=hmask, other=0.0)
     visible = tl.load(vis_ptr + n)
     table_row = table_ptr + tl.load(req_ptr + n).to(tl.int64) * stride_tb
-    first = pid * TILES * BLOCK_T
+    first = pid * tiles * BLOCK_T
     if PREFETCH:
         nxt_k, nxt_sc = _load_keys(kv_ptr, table_row, first, visible, num_table_pages, stride_kp,
                                    DI, TOKENS, ROW, KV_FMT, BLOCK_T)
-    for i in range(TILES):
+    for i in range(tiles):
         t0 = first + i * BLOCK_T
         if PREFETCH:
             k, ksc = nxt_k, nxt_sc
@@ -273,10 +273,10 @@ def indexer_scores(
     _indexer_score_kernel[grid](
         q, weights, kv, page_table, row_to_req, visible, scores,
         q.stride(0), q.stride(1), weights.stride(0), kv.stride(0), page_table.stride(0),
-        scores.stride(0), hi, page_table.shape[1], width, scale,
+        scores.stride(0), hi, page_table.shape[1], width, scale, tiles,
         DI=di, TOKENS=kv.shape[1], KV_FMT=_FMT_CODE[kv_format], COMPUTE=compute_dtype(q.dtype, kv_format), ROW=kv.shape[2],
         IEEE=q.dtype == torch.float32, BLOCK_H=max(16, triton.next_power_of_2(hi)),
-        BLOCK_T=cfg.block_t, TILES=tiles, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_T=cfg.block_t, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return scores
 

@@ -155,7 +155,7 @@ def _convert(lat, sc, rope, DL: tl.constexpr, NB: tl.constexpr, KV_FMT: tl.const
     return out_lat, rope.to(COMPUTE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "split_len"])  # one compiled kernel for any split
 def _sparse_mla_kernel(
     q_ptr, kv_ptr, slots_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     stride_qn, stride_qh, stride_kp, stride_kt, stride_sn, stride_on, stride_oh,
@@ -224,7 +224,7 @@ def _sparse_mla_kernel(
         tl.store(lse_ptr + base, lse, mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
     part_ptr, lse_ptr, out_ptr, num_heads, num_splits, stride_on, stride_oh,
     DL: tl.constexpr, BLOCK_S: tl.constexpr,
