@@ -108,7 +108,7 @@ class ForwardBatch:
             if not rows:
                 return None
             specs = [spec for _, spec in rows]
-            at = torch.tensor([row for row, _ in rows], device=self.positions.device)
+            at = torch.tensor([row for row, _ in rows]).to(self.positions.device, non_blocking=True)
             self._decode = _DecodeResolve(at, specs, self.residency.decode_page_tables(specs))
         return self._decode
 

@@ -322,7 +322,7 @@ def _stacked_lease_table(hot_slots, slot_pos, slot_stamp, pos_to_hot) -> torch.T
 def _lease_table(leases: Sequence[LeaseState], device: torch.device) -> torch.Tensor:
     """Lease table rows of separate leases: their addresses, built on the host and moved once."""
     rows = [[*(t.data_ptr() for t in lease), lease.hot_slots.numel(), lease.pos_to_hot.numel()] for lease in leases]
-    return torch.tensor(rows, dtype=torch.int64).to(device)
+    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
 
 
 def _launch_plan(topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_table, stamp_dtype, map_dtype,

@@ -117,32 +117,42 @@ class RankResidency:
         The rows' host-only selections are merged into one sorted union and resolved in pieces of
         `_UNION_PIECE` positions (one compiled plan for every piece) under one step stamp, so no
         piece evicts a slot the step already uses: a step loads each host-only token at most once,
-        and the scheduler sizes the hot buffer for the step's union. Rows read their slots back
-        through the union's inverse map.
+        and the scheduler sizes the hot buffer for the step's union. The union is built on the
+        device and its size stays there: the number of pieces comes from the request's host-only
+        token count, known on the host, so the forward never waits for the GPU here. Rows read
+        their slots back by binary search in the union.
         """
         tables = self.tables[spec.request_id]
         tables.ensure_capacity(spec.num_tokens)
         dev = self.pool.device
-        gpu, host = spec.gpu_pages.to(dev)[None], spec.host_pages.to(dev)[None]
+        gpu, host = (t.to(dev, non_blocking=True)[None] for t in (spec.gpu_pages, spec.host_pages))
         valid = torch.arange(positions.shape[1], device=dev)[None, :] < lens[:, None]
         valid &= gpu[0, torch.where(valid, positions, 0) // PAGE_SIZE] < 0
-        union, inverse = torch.unique(positions[valid], return_inverse=True)
-        if union.numel() == 0:
+        bound = min(valid.numel(), PAGE_SIZE * int((spec.gpu_pages < 0).sum()))  # distinct host-only positions
+        if bound == 0:
             return
+        pieces = -(-bound // _UNION_PIECE)
+        far = torch.iinfo(torch.int32).max  # sorts after every position
+        flat = torch.where(valid, positions, far).reshape(-1).sort().values
+        repeat = torch.zeros_like(flat, dtype=torch.bool)
+        repeat[1:] = flat[1:] == flat[:-1]
+        union = torch.full((pieces * _UNION_PIECE,), far, dtype=torch.int32, device=dev)
+        taken = min(flat.numel(), union.numel())
+        union[:taken] = torch.where(repeat, far, flat).sort().values[:taken]
+        count = (union < far).sum()
         union_slots = torch.empty(union.numel(), dtype=torch.long, device=dev)
         copied = torch.zeros((), dtype=torch.long, device=dev)
-        padded = torch.zeros(1, _UNION_PIECE, dtype=torch.int32, device=dev)
         lease = [tables.lease(group)]
         for begin in range(0, union.numel(), _UNION_PIECE):
-            part = union[begin : begin + _UNION_PIECE]
-            padded[0, : part.numel()] = part
+            piece_count = (count - begin).clamp(0, _UNION_PIECE).to(torch.int32).reshape(1)
             result = self._resolve(
-                padded, torch.tensor([part.numel()], dtype=torch.int32, device=dev), gpu, host, lease, step,
+                union[None, begin : begin + _UNION_PIECE], piece_count, gpu, host, lease, step,
                 self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host,
             )
-            union_slots[begin : begin + part.numel()] = result.kv_slots[0, : part.numel()].long()
+            union_slots[begin : begin + _UNION_PIECE] = result.kv_slots[0].long()
             copied += result.num_copied.sum()
-        slots[valid] = union_slots[inverse].clamp(min=0)
+        at = torch.searchsorted(union, positions.to(torch.int32).contiguous()).clamp(max=union.numel() - 1)
+        slots.copy_(torch.where(valid, union_slots[at].clamp(min=0), slots))
         self._count(group, valid.sum(), copied)
 
     def decode_page_tables(self, specs: Sequence[NonResidentSpec]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +163,7 @@ class RankResidency:
         host = torch.full((len(specs), num_pages), -1, dtype=torch.int32)
         for i, s in enumerate(specs):
             gpu[i, : s.gpu_pages.numel()], host[i, : s.host_pages.numel()] = s.gpu_pages, s.host_pages
-        return gpu.to(self.pool.device), host.to(self.pool.device)
+        return gpu.to(self.pool.device, non_blocking=True), host.to(self.pool.device, non_blocking=True)
 
     def resolve_decode(self, specs: Sequence[NonResidentSpec], page_tables: tuple[torch.Tensor, torch.Tensor],
                        group: int, positions: torch.Tensor, lens: torch.Tensor, step: int) -> torch.Tensor:
