@@ -11,8 +11,9 @@ so context / top-K stays GLM's. Conversations run closed-loop: a turn starts
 when the previous one finishes.
 
 Top-K source: the model's own indexer (`--trace model`), or a synthetic decode
-trace (`--trace synthetic`) whose reuse distances reproduce published miss rates
-(about 30 / 13.4 / 6.7 % for an LRU of 1x / 2x / 4x top-K).
+trace (`--trace synthetic`, `bench/topk_trace.py`) whose reuse distances reproduce published
+miss rates (about 30 / 13.4 / 6.7 % for an LRU of 1x / 2x / 4x top-K), drawn for every decode row
+of a step at once on the GPU.
 
 Prints one table per run: mean running requests, output tokens/s, TPOT p50/p90,
 TTFT p50, hot hit rate, host-to-device GB/s and its share of the pinned H2D copy
@@ -46,15 +47,13 @@ from engine.request import SamplingParams  # noqa: E402
 from engine.tiny import TINY_CONFIG  # noqa: E402
 from engine.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 from residency.config import HiSparseConfig  # noqa: E402
+from topk_trace import ReuseDistanceTrace  # noqa: E402
 
 logger = logging.getLogger("bench.policies")
 
 GLM53_GPU_PAGES = 9269  # engine.memory_plan for GLM-5.3, FP8 KV, 8x H200 at 0.92 utilisation
 GLM53_HOST_PAGES = 125907  # 384 GiB of GLM-5.3 pages
 FIRST_TURN, LATER_TURN, OUTPUT = 74160, 753, 220
-
-# Reuse-distance model of the synthetic trace (fitted offline to 30 / 13.4 / 6.7 % LRU misses).
-NEAR_SHARE, NEAR_SKEW, FAR_TAIL = 0.82, 2.0, 1.25
 
 
 def glm53_shaped_config(layers: int, experts: int, topk: int) -> dict:
@@ -70,15 +69,14 @@ def glm53_shaped_config(layers: int, experts: int, topk: int) -> dict:
 
 
 class SyntheticTopK:
-    """Decode rows of requests longer than top-K pick top-K by sampling LRU reuse distances; every other
-    row keeps the model indexer's choice. Wraps the engine's own ops, so sparse attention and the model
-    indexer stay on their kernels (Triton on the GPU)."""
+    """Decode rows of requests longer than top-K take their top-K from a `ReuseDistanceTrace` (all such
+    rows of a step in one draw on the device); every other row keeps the model indexer's choice. Wraps
+    the engine's own ops, so sparse attention and the model indexer stay on their kernels."""
 
     def __init__(self, ops: AttentionOps, seed: int = 0) -> None:
         self.ops = ops
-        self._last_use: dict[tuple[str, int], torch.Tensor] = {}
-        self._clock = 0
-        self._gen = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._trace: ReuseDistanceTrace | None = None  # made at the first call: top-K and device known then
 
     def sparse_mla(
         self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
@@ -95,37 +93,16 @@ class SyntheticTopK:
                   if end - start == 1 and batch.context_lens_host[req] > topk]
         if not decode:
             return chosen
+        if self._trace is None:
+            self._trace = ReuseDistanceTrace(topk, q.device, self.seed)
         # A context longer than K somewhere in the batch: the model's choice is K wide.
-        rows = torch.tensor([row for row, _ in decode], device=q.device)
-        picks = [self._sample((batch.request_ids[req], full_index), batch.context_lens_host[req], topk)
-                 for _, req in decode]
+        rows = torch.tensor([row for row, _ in decode]).to(q.device, non_blocking=True)
+        picks = self._trace.sample([(batch.request_ids[req], full_index) for _, req in decode],
+                                   [batch.context_lens_host[req] for _, req in decode])
         positions, counts = chosen.positions.clone(), chosen.counts.clone()
-        positions[rows] = torch.stack(picks).to(q.device)
+        positions[rows] = picks
         counts[rows] = topk
         return TopK(positions, counts)
-
-    def _sample(self, stream: tuple[str, int], ctx: int, topk: int) -> torch.Tensor:
-        """K positions of a context of `ctx` tokens from the reuse-distance model; `stream` is (request, group)."""
-        last = self._last_use.get(stream)
-        if last is None or last.numel() < ctx:
-            grown = torch.full((max(ctx, 2 * (0 if last is None else last.numel())),), -1.0)
-            if last is not None:
-                grown[: last.numel()] = last
-            last = self._last_use[stream] = grown
-        self._clock += 1
-        order = torch.argsort(last[:ctx] + torch.rand(ctx, generator=self._gen) * 1e-3, descending=True)
-        u = torch.rand(topk, generator=self._gen)
-        near = torch.rand(topk, generator=self._gen) < NEAR_SHARE
-        depth = torch.where(near, topk * u.pow(NEAR_SKEW), topk * u.clamp(min=1e-9).pow(-1.0 / FAR_TAIL))
-        chosen = torch.unique(order[depth.long().clamp(0, ctx - 1)])
-        chosen = torch.unique(torch.cat([chosen, torch.tensor([ctx - 1])]))  # the newest token always
-        if chosen.numel() < topk:  # fill with the most recent unchosen positions
-            taken = torch.zeros(ctx, dtype=torch.bool)
-            taken[chosen] = True
-            chosen = torch.cat([chosen, order[~taken[order]][: topk - chosen.numel()]])
-        chosen = chosen[:topk]
-        last[chosen] = float(self._clock)
-        return chosen
 
 
 @dataclass
