@@ -330,7 +330,8 @@ def _launch_plan(topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_ta
     b, k = topk_pos.shape
     dev = gpu_pool.device
     kv_slots = torch.empty((b, k), dtype=torch.int32, device=dev) if out is None else out
-    if kv_slots.shape != (b, k) or kv_slots.dtype != torch.int32 or not kv_slots.is_contiguous() or kv_slots.device != dev:
+    if (kv_slots.shape != (b, k) or kv_slots.dtype != torch.int32 or not kv_slots.is_contiguous()
+            or kv_slots.device != dev):
         raise ValueError("out must be a contiguous [B, K] int32 tensor on the pool's device")
     num_copied = torch.empty(b, dtype=torch.int32, device=dev)
     work = torch.empty((3, b, k), dtype=torch.int32, device=dev)

@@ -30,7 +30,7 @@ def test_extend_rows_read_the_host_bytes_of_their_selection(tiny_dir: Path, piec
     monkeypatch.setattr(rank_residency, "_UNION_PIECE", piece)
     layout = KVLayout.for_model(ModelConfig.from_dir(tiny_dir), "bf16")
     rng = random.Random(piece)
-    num_tokens, num_pages = 10 * PAGE, 10
+    num_tokens = 10 * PAGE
     gen = torch.Generator().manual_seed(0)
     pool = torch.randint(0, 256, (24, layout.page_bytes), dtype=torch.uint8, generator=gen)
     host = torch.randint(0, 256, (16, layout.page_bytes), dtype=torch.uint8, generator=gen)
