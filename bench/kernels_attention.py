@@ -165,87 +165,96 @@ def _pick(label: str, candidates: list, time_of) -> object:
 
 def run_mla(hbm: float, rows_out: list) -> None:
     for kv_format in ("fp8", "bf16"):
-        layout = glm_layout(kv_format)
-        pool = make_pool(layout)
-        view = fill_mla_view(layout, pool, 2)
-        num_slots = view.shape[0] * view.shape[1]
-        rb = layout.mla_row_bytes
-        kw = dict(kv_format=kv_format, latent_dim=DL, rope_dim=DR, scale=0.0417)
-        for heads in (8, 64):
-            best = None
-            for b in (64,) + tuple(x for x in BATCHES if x != 64):
-                nbytes = b * TOPK * rb
-                rot = num_rotations(nbytes)
-                slots = [torch.randint(0, num_slots, (b, TOPK), dtype=torch.int32, device="cuda") for _ in range(rot)]
-                lens = torch.full((b,), TOPK, dtype=torch.int32, device="cuda")
-                q = torch.randn(b, heads, DL + DR, device="cuda").to(torch.bfloat16)
+        run_mla_format(kv_format, hbm, rows_out)
+        torch.cuda.empty_cache()  # the format's pool went with its frame
 
-                def calls(cfg):
-                    return [lambda s=s: sparse_mla(q, view, s, lens, **kw, config=cfg) for s in slots]
 
+def run_mla_format(kv_format: str, hbm: float, rows_out: list) -> None:
+    layout = glm_layout(kv_format)
+    pool = make_pool(layout)
+    view = fill_mla_view(layout, pool, 2)
+    num_slots = view.shape[0] * view.shape[1]
+    rb = layout.mla_row_bytes
+    kw = dict(kv_format=kv_format, latent_dim=DL, rope_dim=DR, scale=0.0417)
+    for heads in (8, 64):
+        best = None
+        for b in (64,) + tuple(x for x in BATCHES if x != 64):
+            nbytes = b * TOPK * rb
+            rot = num_rotations(nbytes)
+            slots = [torch.randint(0, num_slots, (b, TOPK), dtype=torch.int32, device="cuda") for _ in range(rot)]
+            lens = torch.full((b,), TOPK, dtype=torch.int32, device="cuda")
+            q = torch.randn(b, heads, DL + DR, device="cuda").to(torch.bfloat16)
+
+            def calls(cfg):
+                return [lambda s=s: sparse_mla(q, view, s, lens, **kw, config=cfg) for s in slots]
+
+            if best is None:
+                label = f"mla {kv_format} H={heads} B={b}"
+                best = _pick(label, MLA_CONFIGS[(kv_format, heads)], lambda c: bench_graph(calls(c)))
                 if best is None:
-                    label = f"mla {kv_format} H={heads} B={b}"
-                    best = _pick(label, MLA_CONFIGS[(kv_format, heads)], lambda c: bench_graph(calls(c)))
-                    if best is None:
-                        break
-                    best = _pick(label, [best] + [dataclasses.replace(best, waves=v) for v in (1, 4, 8)],
-                                 lambda c: bench_graph(calls(c)))
-                ms = bench_graph(calls(best))
-                twin_ms = bench(lambda: sparse_mla_ref(q, view, slots[0], lens, **kw), rep=30)
-                gbs = nbytes / ms / 1e6
-                rows_out.append(dict(kernel="sparse_mla", fmt=kv_format, heads=heads, B=b, ctx=f"K={TOPK}",
-                                     MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin_ms / ms,
-                                     cfg=_cfg_name(best)))
-                log(fmt_row(_cells(rows_out[-1])))
-        del pool, view
-        torch.cuda.empty_cache()
+                    break
+                best = _pick(label, [best] + [dataclasses.replace(best, waves=v) for v in (1, 4, 8)],
+                             lambda c: bench_graph(calls(c)))
+            ms = bench_graph(calls(best))
+            twin_ms = bench(lambda: sparse_mla_ref(q, view, slots[0], lens, **kw), rep=30)
+            gbs = nbytes / ms / 1e6
+            rows_out.append(dict(kernel="sparse_mla", fmt=kv_format, heads=heads, B=b, ctx=f"K={TOPK}",
+                                 MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin_ms / ms,
+                                 cfg=_cfg_name(best)))
+            log(fmt_row(_cells(rows_out[-1])))
 
 
 def run_indexer(hbm: float, rows_out: list) -> None:
     for kv_format in ("fp8", "bf16"):
-        layout = glm_layout(kv_format)
-        pool = make_pool(layout)
-        view = fill_indexer_view(layout, pool)
-        tokens, num_pages, rb = view.shape[1], view.shape[0], view.shape[2]
-        contexts = CONTEXTS if kv_format == "fp8" else (131072,)
-        kw_base = dict(kv_format=kv_format, scale=DI**-0.5, topk=TOPK)
-        best = None
-        for ctx in (131072,) + tuple(c for c in contexts if c != 131072):
-            for b in (64,) + tuple(x for x in BATCHES if x != 64):
-                nbytes = b * ctx * rb
-                rot = num_rotations(nbytes)
-                max_pages = triton.cdiv(ctx, tokens)
-                tables = [torch.randint(0, num_pages, (b, max_pages), dtype=torch.int32, device="cuda")
-                          for _ in range(rot)]
-                r2r = torch.arange(b, dtype=torch.int32, device="cuda")
-                ctx_lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-                q = torch.randn(b, HI, DI, device="cuda").to(torch.bfloat16)
-                w = torch.randn(b, HI, device="cuda")
-                kw = dict(kw_base, max_ctx=ctx)
-
-                def calls(cfg, fn=indexer_scores):
-                    return [lambda t=t: fn(q, w, view, t, r2r, ctx_lens, ctx_lens, **kw, config=cfg) for t in tables]
-
-                if best is None:
-                    best = _pick(f"indexer {kv_format} B={b} ctx={ctx}", INDEXER_CONFIGS,
-                                 lambda c: bench_graph(calls(c)))
-                    if best is None:
-                        return
-                ms = bench_graph(calls(best))
-                topk_ms = bench_graph(calls(best, indexer_topk), iters=5)
-                twin = "-"
-                if b * ctx <= (4 << 20):
-                    twin_ms = bench(lambda: indexer_scores_ref(q, w, view, tables[0], r2r, ctx_lens, ctx_lens, **kw),
-                                    rep=30)
-                    twin = twin_ms / ms
-                gbs = nbytes / ms / 1e6
-                rows_out.append(dict(kernel="indexer", fmt=kv_format, heads=HI, B=b, ctx=f"{ctx // 1024}K",
-                                     MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin,
-                                     cfg=_cfg_name(best), topk_us=topk_ms * 1e3))
-                log(fmt_row(_cells(rows_out[-1])))
-                del tables
-        del pool, view
+        ok = run_indexer_format(kv_format, hbm, rows_out)
         torch.cuda.empty_cache()
+        if not ok:
+            return
+
+
+def run_indexer_format(kv_format: str, hbm: float, rows_out: list) -> bool:
+    """False when no kernel configuration ran (the sweep stops)."""
+    layout = glm_layout(kv_format)
+    pool = make_pool(layout)
+    view = fill_indexer_view(layout, pool)
+    tokens, num_pages, rb = view.shape[1], view.shape[0], view.shape[2]
+    contexts = CONTEXTS if kv_format == "fp8" else (131072,)
+    kw_base = dict(kv_format=kv_format, scale=DI**-0.5, topk=TOPK)
+    best = None
+    for ctx in (131072,) + tuple(c for c in contexts if c != 131072):
+        for b in (64,) + tuple(x for x in BATCHES if x != 64):
+            nbytes = b * ctx * rb
+            rot = num_rotations(nbytes)
+            max_pages = triton.cdiv(ctx, tokens)
+            tables = [torch.randint(0, num_pages, (b, max_pages), dtype=torch.int32, device="cuda")
+                      for _ in range(rot)]
+            r2r = torch.arange(b, dtype=torch.int32, device="cuda")
+            ctx_lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+            q = torch.randn(b, HI, DI, device="cuda").to(torch.bfloat16)
+            w = torch.randn(b, HI, device="cuda")
+            kw = dict(kw_base, max_ctx=ctx)
+
+            def calls(cfg, fn=indexer_scores):
+                return [lambda t=t: fn(q, w, view, t, r2r, ctx_lens, ctx_lens, **kw, config=cfg) for t in tables]
+
+            if best is None:
+                best = _pick(f"indexer {kv_format} B={b} ctx={ctx}", INDEXER_CONFIGS,
+                             lambda c: bench_graph(calls(c)))
+                if best is None:
+                    return False
+            ms = bench_graph(calls(best))
+            topk_ms = bench_graph(calls(best, indexer_topk), iters=5)
+            twin = "-"
+            if b * ctx <= (4 << 20):
+                twin_ms = bench(lambda: indexer_scores_ref(q, w, view, tables[0], r2r, ctx_lens, ctx_lens, **kw),
+                                rep=30)
+                twin = twin_ms / ms
+            gbs = nbytes / ms / 1e6
+            rows_out.append(dict(kernel="indexer", fmt=kv_format, heads=HI, B=b, ctx=f"{ctx // 1024}K",
+                                 MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin,
+                                 cfg=_cfg_name(best), topk_us=topk_ms * 1e3))
+            log(fmt_row(_cells(rows_out[-1])))
+    return True
 
 
 HEADER = ["kernel", "rows", "heads", "B", "K / ctx", "MB read", "time us", "GB/s", "of HBM copy",

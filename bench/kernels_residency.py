@@ -204,16 +204,21 @@ def _gather_runs_kernel(src_ptr, dst_ptr, idx_ptr, n, run_words, RUNS: tl.conste
     tl.store(dst_ptr + r.to(tl.int64)[:, None] * run_words + offs[None, :], words, mask=mask)
 
 
+def memcpy_ceilings(host_flat: torch.Tensor, dst: torch.Tensor) -> dict[str, float]:
+    """Plain copies of 1 GiB: pinned host to device, device to pinned host, device to device."""
+    src = torch.empty_like(dst)
+    return {
+        "h2d_memcpy_GBps": GIB / time_ms(lambda: dst.copy_(host_flat[:GIB], non_blocking=True), 5) / 1e6,
+        "d2h_memcpy_GBps": GIB / time_ms(lambda: host_flat[GIB : 2 * GIB].copy_(src, non_blocking=True), 5) / 1e6,
+        "hbm_copy_GBps": 2 * GIB / time_ms(lambda: dst.copy_(src), 10) / 1e6,
+    }
+
+
 def measure_ceilings(host_pool: torch.Tensor, run_bytes: int, log) -> dict[str, float]:
     dev = torch.device("cuda")
     host_flat = host_pool.view(-1)
     dst = torch.empty(GIB, dtype=torch.uint8, device=dev)
-    src = torch.empty(GIB, dtype=torch.uint8, device=dev)
-    out = {}
-    out["h2d_memcpy_GBps"] = GIB / time_ms(lambda: dst.copy_(host_flat[:GIB], non_blocking=True), 5) / 1e6
-    out["d2h_memcpy_GBps"] = GIB / time_ms(lambda: host_flat[GIB : 2 * GIB].copy_(src, non_blocking=True), 5) / 1e6
-    out["hbm_copy_GBps"] = 2 * GIB / time_ms(lambda: dst.copy_(src), 10) / 1e6
-    del src
+    out = memcpy_ceilings(host_flat, dst)
     words = run_bytes // 4
     num_runs = 1 << 16
     idx = torch.randint(0, host_flat.numel() // run_bytes, (num_runs,), device=dev, dtype=torch.int64)
@@ -266,7 +271,6 @@ def bench_resolve(layout, gpu_pool, host_pool, ceil, log) -> list[dict]:
             log(f"  resolve B={b} miss={rate:.0%}: {row['resolve_us']:.1f} us (plan {row['plan_us']:.1f}, "
                 f"copy {row['copy_us']:.1f}, {gbps:.1f} GB/s), twin {row['twin_us']:.0f} us")
             rows.append(row)
-        del batch
     return rows
 
 

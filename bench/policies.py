@@ -135,24 +135,12 @@ def measure_h2d_gbps(device: str) -> float:
     return 5 * src.numel() / (time.perf_counter() - start) / 1e9
 
 
-def run_policy(args: argparse.Namespace, model_dir: Path, policy: str, trace: str, pages: int, host_gib: float,
-               conversations: int, turns: int) -> dict:
-    s = args.scale
-    hs = HiSparseConfig(policy=policy, host_pool_gib=host_gib if policy in ("hybrid", "offload") else 0.0)
-    engine = LLMEngine(EngineConfig(
-        model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32",
-        kv_dtype="fp8" if args.device == "cuda" else "auto", device=args.device, num_gpu_pages=pages,
-        max_num_batched_tokens=max(256, int(32768 * s)), max_num_seqs=256, random_weights=True,
-        max_model_len=1 << 20, hisparse=hs, enable_prefix_cache=True,
-    ))
-    if trace == "synthetic":
-        engine.executor.worker.ops = SyntheticTopK(engine.executor.worker.ops)  # the ops the forward uses
-    out_len = max(16, round(OUTPUT * s))
-    convs = [Conversation([], turns, torch.Generator().manual_seed(i)) for i in range(conversations)]
+def drive(engine: LLMEngine, convs: list[Conversation], turns: int, out_len: int, scale: float) -> float:
+    """Runs every conversation closed-loop (a turn starts when the previous one finishes); returns wall seconds."""
     live: dict[str, Conversation] = {}
 
     def submit(i: int, conv: Conversation, now: float) -> None:
-        n = round((FIRST_TURN if not conv.history else LATER_TURN) * s)
+        n = round((FIRST_TURN if not conv.history else LATER_TURN) * scale)
         conv.history += torch.randint(0, 380, (n,), generator=conv.rng).tolist()
         rid = f"c{i}-t{turns - conv.turns_left}"
         engine.add_request(rid, list(conv.history), SamplingParams(max_tokens=out_len, ignore_eos=True))
@@ -177,7 +165,23 @@ def run_policy(args: argparse.Namespace, model_dir: Path, policy: str, trace: st
                 del live[o.request_id]
                 if conv.turns_left:
                     submit(convs.index(conv), conv, now)
-    wall = time.perf_counter() - start
+    return time.perf_counter() - start
+
+
+def run_policy(args: argparse.Namespace, model_dir: Path, policy: str, trace: str, pages: int, host_gib: float,
+               conversations: int, turns: int) -> dict:
+    s = args.scale
+    hs = HiSparseConfig(policy=policy, host_pool_gib=host_gib if policy in ("hybrid", "offload") else 0.0)
+    engine = LLMEngine(EngineConfig(
+        model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32",
+        kv_dtype="fp8" if args.device == "cuda" else "auto", device=args.device, num_gpu_pages=pages,
+        max_num_batched_tokens=max(256, int(32768 * s)), max_num_seqs=256, random_weights=True,
+        max_model_len=1 << 20, hisparse=hs, enable_prefix_cache=True,
+    ))
+    if trace == "synthetic":
+        engine.executor.worker.ops = SyntheticTopK(engine.executor.worker.ops)  # the ops the forward uses
+    convs = [Conversation([], turns, torch.Generator().manual_seed(i)) for i in range(conversations)]
+    wall = drive(engine, convs, turns, max(16, round(OUTPUT * s)), s)
     stats = engine.stats()
     tls = [t for c in convs for t in c.timelines]
     tpot = sorted((t.finished - t.first) / max(t.tokens - 1, 1) for t in tls)
@@ -211,6 +215,28 @@ def print_table(rows: list[dict], h2d_ceiling: float) -> None:
               f"{vs_offload:>7.2f} {vs_off:>6.2f} {r['preemptions'] + r['swaps']:>8} {r['step_ms']:>8.1f}")
 
 
+def interleaved(policies: tuple[str, str], repeats: int) -> list[str]:
+    """A, B, B, A, A, B, ...: each policy runs as often first as second in a pair, so a drift of the
+    machine over the check (clocks, another tenant) weighs on both alike."""
+    a, b = policies
+    return [p for i in range(repeats) for p in ((a, b) if i % 2 == 0 else (b, a))]
+
+
+def print_no_pressure(runs: list[dict]) -> None:
+    """Each run's TPOT and the ratio of the policies' medians: one run per policy is within the
+    machine's run-to-run spread (about 10 %), a median of interleaved runs is not."""
+    print(f"\nno pressure (8x pool), {'policy':<8} {'TPOT50 ms per run':<30} {'median':>7} {'tok/s median':>12}")
+    medians = {}
+    for policy in dict.fromkeys(r["policy"] for r in runs):
+        mine = [r for r in runs if r["policy"] == policy]
+        medians[policy] = statistics.median(r["tpot_p50_ms"] for r in mine)
+        per_run = " ".join(f"{r['tpot_p50_ms']:.1f}" for r in mine)
+        print(f"{'':<21} {policy:<8} {per_run:<30} {medians[policy]:>7.1f} "
+              f"{statistics.median(r['out_tok_s'] for r in mine):>12.1f}")
+    if {"hybrid", "off"} <= medians.keys():
+        print(f"TPOT p50 hybrid / off (medians): {medians['hybrid'] / medians['off']:.3f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -223,6 +249,8 @@ def main() -> int:
     parser.add_argument("--policies", nargs="+", default=["hybrid", "offload", "off"])
     parser.add_argument("--no-pressure-check", action="store_true",
                         help="also compare hybrid and off on the same workload with an 8x pool (no pressure)")
+    parser.add_argument("--no-pressure-repeats", type=int, default=3,
+                        help="runs of each policy in the no-pressure check, interleaved off/hybrid/hybrid/off...")
     parser.add_argument("--small", action="store_true", help="tiny-model shapes (CPU smoke run)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -250,13 +278,16 @@ def main() -> int:
         for policy in args.policies:
             rows.append(run_policy(args, model_dir, policy, trace, pages, host_gib, args.conversations, args.turns))
             print(json.dumps(rows[-1]), flush=True)
+    ample = []
     if args.no_pressure_check:
-        for policy in ("off", "hybrid"):
+        for policy in interleaved(("off", "hybrid"), args.no_pressure_repeats):
             row = run_policy(args, model_dir, policy, "model", pages * 8, host_gib, args.conversations, args.turns)
-            rows.append(dict(row, trace="ample"))
-            print(json.dumps(rows[-1]), flush=True)
-    (out / "policies.json").write_text(json.dumps(rows, indent=1))
+            ample.append(dict(row, trace="ample"))
+            print(json.dumps(ample[-1]), flush=True)
+    (out / "policies.json").write_text(json.dumps(rows + ample, indent=1))
     print_table(rows, h2d)
+    if ample:
+        print_no_pressure(ample)
     return 0
 
 
