@@ -49,6 +49,7 @@ it is the PyTorch twin (`mirror_rows_reference`), one indexed copy per group.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -74,7 +75,7 @@ def _mirror_kernel(gpu_ptr, host_ptr, gpu_ids_ptr, host_ids_ptr, page_words, CHU
     tl.store(host_ptr + dst_page * page_words + offs, words, mask=mask)
 
 
-def _check(gpu_pool: torch.Tensor, host_pool: torch.Tensor, gpu_ids: torch.Tensor, host_ids: torch.Tensor) -> None:
+def _check(gpu_pool: torch.Tensor, host_pool: torch.Tensor, gpu_ids: list[int], host_ids: list[int]) -> None:
     for name, pool in (("gpu_pool", gpu_pool), ("host_pool", host_pool)):
         if pool.dim() != 2 or pool.dtype != torch.uint8 or not pool.is_contiguous():
             raise ValueError(f"{name} must be a contiguous [pages, page_bytes] uint8 tensor")
@@ -82,16 +83,32 @@ def _check(gpu_pool: torch.Tensor, host_pool: torch.Tensor, gpu_ids: torch.Tenso
         raise ValueError("host and GPU pages must have the same size")
     if gpu_pool.is_cuda and (host_pool.is_cuda or not host_pool.is_pinned()):
         raise ValueError("host_pool must be a pinned CPU tensor")
-    if gpu_ids.shape != host_ids.shape or gpu_ids.dim() != 1:
+    if len(gpu_ids) != len(host_ids):
         raise ValueError("gpu_page_ids and host_page_ids must be 1-D of the same length")
-    if gpu_ids.numel() and not (0 <= int(gpu_ids.min()) and int(gpu_ids.max()) < gpu_pool.shape[0]):
+    if gpu_ids and not (0 <= min(gpu_ids) and max(gpu_ids) < gpu_pool.shape[0]):
         raise ValueError("a GPU page id is out of range")
-    if host_ids.numel() and not (0 <= int(host_ids.min()) and int(host_ids.max()) < host_pool.shape[0]):
+    if host_ids and not (0 <= min(host_ids) and max(host_ids) < host_pool.shape[0]):
         raise ValueError("a host page id is out of range")
 
 
-def _as_ids(ids: PageIds) -> torch.Tensor:
-    return torch.as_tensor(ids, dtype=torch.int64, device="cpu").reshape(-1)
+def _as_ids(ids: PageIds) -> list[int]:
+    """Ids as Python ints. A step mirrors a few dozen ids; checked and packed in Python they cost
+    microseconds, where each small CPU tensor op costs tens (the mirror runs every step)."""
+    if not isinstance(ids, torch.Tensor):
+        try:
+            return [operator.index(x) for x in ids]
+        except TypeError:  # nested: flattened like a tensor
+            ids = torch.as_tensor(ids)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError("page ids and tokens must be integers")
+    return ids.reshape(-1).tolist()
+
+
+def _meta(values: list[int], gpu_pool: torch.Tensor) -> torch.Tensor:
+    """int64 launch metadata on the pool's device (through pinned memory, not waited for)."""
+    if not gpu_pool.is_cuda:
+        return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(gpu_pool.device, non_blocking=True)
 
 
 def _side_stream(gpu_pool: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.cuda.Stream:
@@ -110,19 +127,20 @@ def mirror_pages_triton(gpu_pool: torch.Tensor, host_pool: torch.Tensor, gpu_pag
     """
     gpu_ids, host_ids = _as_ids(gpu_page_ids), _as_ids(host_page_ids)
     _check(gpu_pool, host_pool, gpu_ids, host_ids)
-    if gpu_ids.numel() == 0:
+    if not gpu_ids:
         return _record(gpu_pool, stream)
     word = 4 if all(x % 4 == 0 for x in (gpu_pool.shape[1], gpu_pool.data_ptr(), host_pool.data_ptr())) else 1
     gpu_words = gpu_pool.view(torch.int32) if word == 4 else gpu_pool
     host_words = host_pool.view(torch.int32) if word == 4 else host_pool
     page_words = gpu_pool.shape[1] // word
-    grid = (triton.cdiv(page_words, _CHUNK_WORDS), gpu_ids.numel())
+    grid = (triton.cdiv(page_words, _CHUNK_WORDS), len(gpu_ids))
     if not gpu_pool.is_cuda:
-        _mirror_kernel[grid](gpu_words, host_words, gpu_ids, host_ids, page_words, CHUNK=_CHUNK_WORDS)
+        ids = _meta(gpu_ids + host_ids, gpu_pool).view(2, -1)
+        _mirror_kernel[grid](gpu_words, host_words, ids[0], ids[1], page_words, CHUNK=_CHUNK_WORDS)
         return None
     side = _side_stream(gpu_pool, stream)
     with torch.cuda.stream(side):
-        ids = torch.stack([gpu_ids, host_ids]).pin_memory().to(gpu_pool.device, non_blocking=True)
+        ids = _meta(gpu_ids + host_ids, gpu_pool).view(2, -1)
         _mirror_kernel[grid](gpu_words, host_words, ids[0], ids[1], page_words, CHUNK=_CHUNK_WORDS)
         event = torch.cuda.Event()
         event.record(side)
@@ -145,7 +163,7 @@ def mirror_pages_reference(gpu_pool: torch.Tensor, host_pool: torch.Tensor, gpu_
     """PyTorch twin of `mirror_pages_triton`: one `copy_` per run of consecutive pages."""
     gpu_ids, host_ids = _as_ids(gpu_page_ids), _as_ids(host_page_ids)
     _check(gpu_pool, host_pool, gpu_ids, host_ids)
-    runs = _runs(gpu_ids.tolist(), host_ids.tolist())
+    runs = _runs(gpu_ids, host_ids)
     if not gpu_pool.is_cuda:
         for g, h, n in runs:
             host_pool[h : h + n].copy_(gpu_pool[g : g + n])
@@ -202,14 +220,14 @@ def _mirror_rows_kernel(gpu_ptr, host_ptr, meta_ptr, num_rows, num_groups, page_
 
 def _rows_args(gpu_pool: torch.Tensor, host_pool: torch.Tensor, gpu_page_ids: PageIds, host_page_ids: PageIds,
                tokens: PageIds, group_offsets: Sequence[int], run_bytes: Sequence[int]):  # noqa: ANN202
-    """Validated CPU int64 ids, tokens, offsets and run sizes.
+    """Validated ids, tokens, offsets and run sizes (Python ints).
 
     Every (host page, token) must be distinct: the kernel's programs run in no order, so two
     writes to one destination would leave either one.
     """
     gpu_ids, host_ids, toks = _as_ids(gpu_page_ids), _as_ids(host_page_ids), _as_ids(tokens)
     _check(gpu_pool, host_pool, gpu_ids, host_ids)
-    if toks.shape != gpu_ids.shape:
+    if len(toks) != len(gpu_ids):
         raise ValueError("tokens must be 1-D of the same length as the page ids")
     offsets, runs = [int(x) for x in group_offsets], [int(x) for x in run_bytes]
     if len(offsets) != len(runs) or not offsets:
@@ -218,9 +236,9 @@ def _rows_args(gpu_pool: torch.Tensor, host_pool: torch.Tensor, gpu_page_ids: Pa
         raise ValueError("group offsets must be >= 0 and run sizes > 0")
     page_bytes = gpu_pool.shape[1]
     tokens_per_page = min((page_bytes - o) // r for o, r in zip(offsets, runs))  # tokens whose runs fit
-    if toks.numel() and not (0 <= int(toks.min()) and int(toks.max()) < tokens_per_page):
+    if toks and not (0 <= min(toks) and max(toks) < tokens_per_page):
         raise ValueError(f"a token is out of range: a group's runs past it would leave the {page_bytes}-byte page")
-    if toks.numel() and torch.unique(host_ids * tokens_per_page + toks).numel() != toks.numel():
+    if len(set(zip(host_ids, toks))) != len(toks):
         raise ValueError("two rows have the same destination (host page, token)")
     return gpu_ids, host_ids, toks, offsets, runs
 
@@ -241,25 +259,23 @@ def mirror_rows_triton(gpu_pool: torch.Tensor, host_pool: torch.Tensor, gpu_page
     """
     gpu_ids, host_ids, toks, offsets, runs = _rows_args(
         gpu_pool, host_pool, gpu_page_ids, host_page_ids, tokens, group_offsets, run_bytes)
-    if gpu_ids.numel() == 0:
+    if not gpu_ids:
         return _record(gpu_pool, stream)
     aligned = (gpu_pool.shape[1], gpu_pool.data_ptr(), host_pool.data_ptr(), *offsets, *runs)
     word = 4 if all(x % 4 == 0 for x in aligned) else 1
     gpu_words = gpu_pool.view(torch.int32) if word == 4 else gpu_pool
     host_words = host_pool.view(torch.int32) if word == 4 else host_pool
-    groups = torch.tensor([o // word for o in offsets] + [r // word for r in runs], dtype=torch.int64)
-    meta = torch.cat([gpu_ids, host_ids, toks, groups])
+    meta = gpu_ids + host_ids + toks + [o // word for o in offsets] + [r // word for r in runs]
     max_run = max(runs) // word
     block = min(_ROW_BLOCK_WORDS, triton.next_power_of_2(max_run))
-    grid = (gpu_ids.numel(), len(runs), triton.cdiv(max_run, block))
-    args = (gpu_ids.numel(), len(runs), gpu_pool.shape[1] // word)
+    grid = (len(gpu_ids), len(runs), triton.cdiv(max_run, block))
+    args = (len(gpu_ids), len(runs), gpu_pool.shape[1] // word)
     if not gpu_pool.is_cuda:
-        _mirror_rows_kernel[grid](gpu_words, host_words, meta, *args, BLOCK=block)
+        _mirror_rows_kernel[grid](gpu_words, host_words, _meta(meta, gpu_pool), *args, BLOCK=block)
         return None
     side = _side_stream(gpu_pool, stream)
     with torch.cuda.stream(side):
-        meta = meta.pin_memory().to(gpu_pool.device, non_blocking=True)
-        _mirror_rows_kernel[grid](gpu_words, host_words, meta, *args, BLOCK=block)
+        _mirror_rows_kernel[grid](gpu_words, host_words, _meta(meta, gpu_pool), *args, BLOCK=block)
         event = torch.cuda.Event()
         event.record(side)
     return event
@@ -273,16 +289,17 @@ def mirror_rows_reference(gpu_pool: torch.Tensor, host_pool: torch.Tensor, gpu_p
     gpu_ids, host_ids, toks, offsets, runs = _rows_args(
         gpu_pool, host_pool, gpu_page_ids, host_page_ids, tokens, group_offsets, run_bytes)
     if not gpu_pool.is_cuda:
-        if toks.numel():
-            num_tokens = int(toks.max()) + 1
+        if toks:
+            num_tokens = max(toks) + 1
+            g_idx, h_idx, t_idx = (torch.tensor(x, dtype=torch.int64) for x in (gpu_ids, host_ids, toks))
             for offset, run in zip(offsets, runs):
                 src = gpu_pool[:, offset : offset + num_tokens * run].unflatten(1, (num_tokens, run))
                 dst = host_pool[:, offset : offset + num_tokens * run].unflatten(1, (num_tokens, run))
-                dst[host_ids, toks] = src[gpu_ids, toks]
+                dst[h_idx, t_idx] = src[g_idx, t_idx]
         return None
     side = _side_stream(gpu_pool, stream)
     with torch.cuda.stream(side):
-        for g, h, t in zip(gpu_ids.tolist(), host_ids.tolist(), toks.tolist()):
+        for g, h, t in zip(gpu_ids, host_ids, toks):
             for offset, run in zip(offsets, runs):
                 start = offset + t * run
                 host_pool[h, start : start + run].copy_(gpu_pool[g, start : start + run], non_blocking=True)
