@@ -132,6 +132,9 @@ class ResidencyManager:
         self._pending: list[_PendingMirror] = []
         # Host copies of pages still being written: (request id, page index) -> host page.
         self._partial: dict[tuple[str, int], int] = {}
+        # Per request, (MLA pages, indexer pages) at its start that all have host copies: the
+        # catch-up scan starts there, so a step costs the new pages, not the whole context.
+        self._mirrored_prefix: dict[str, tuple[int, int]] = {}
         # Indexer pages of parked requests live in the host pool within their own budget.
         self.offload_budget_pages = int(config.offload_pool_gib * 2**30) // self.page_bytes
         self.parked_indexer_pages = 0
@@ -224,12 +227,19 @@ class ResidencyManager:
                 self._pending.append(_PendingMirror(req, entries, None))
 
     def _mirror_candidates(self, req: PagedRequest):  # noqa: ANN202 - iterator of tuples
-        completed = req.num_computed_tokens // PAGE_SIZE
-        for i in range(min(completed, len(req.page_hashes))):
+        completed = min(req.num_computed_tokens // PAGE_SIZE, len(req.page_hashes))
+        completed_idx = req.num_computed_tokens // self.indexer_tokens_per_page
+        mla_from, idx_from = self._mirrored_prefix.get(req.request_id, (0, 0))
+        while mla_from < completed and req.host_pages[mla_from] is not None:
+            mla_from += 1
+        while idx_from < completed_idx and req.host_indexer_pages[idx_from] is not None:
+            idx_from += 1
+        self._mirrored_prefix[req.request_id] = (mla_from, idx_from)
+        for i in range(mla_from, completed):
             if req.host_pages[i] is None and req.mla_pages[i] is not None:
                 yield PageUse.MLA, i, req.mla_pages[i], req.page_hashes[i]
         per_idx = self.indexer_tokens_per_page // PAGE_SIZE
-        for j in range(req.num_computed_tokens // self.indexer_tokens_per_page):
+        for j in range(idx_from, completed_idx):
             if req.host_indexer_pages[j] is None and (j + 1) * per_idx <= len(req.page_hashes):
                 yield PageUse.INDEXER, j, req.indexer_pages[j], req.page_hashes[(j + 1) * per_idx - 1]
 
@@ -420,6 +430,7 @@ class ResidencyManager:
         if need > self.gpu_cache.num_available:
             return False
         mla_idx, idx_idx = self._resume_pages(req)
+        self._mirrored_prefix.pop(req.request_id, None)  # host copies are dropped below
         mla = self.gpu_cache.allocate(len(mla_idx), PageUse.MLA)
         idx = self.gpu_cache.allocate(len(idx_idx), PageUse.INDEXER)
         self.load_pages([req.host_pages[i] for i in mla_idx] + list(req.host_indexer_pages), mla + idx)
@@ -465,6 +476,7 @@ class ResidencyManager:
             if page is not None:
                 self.host.cache.release(page)
         req.host_pages, req.host_indexer_pages = [], []
+        self._mirrored_prefix.pop(req.request_id, None)
         self.return_hot(req)
 
     def check_integrity(self) -> None:
