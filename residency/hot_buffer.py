@@ -37,17 +37,23 @@ class HotLease:
 class HotTables:
     """One rank's LRU tables of one lease."""
 
+    pages: tuple[int, ...]  # the GPU pages of the slots, in slot order
     hot_slots: torch.Tensor  # [R] int32 physical slot of each hot slot
     slot_pos: torch.Tensor  # [G, R] int32 token held by each slot, -1 when empty
     slot_stamp: torch.Tensor  # [G, R] int64 step of last use
     pos_to_hot: torch.Tensor  # [G, capacity] int32 hot slot of each position, -1 when none
 
+    @staticmethod
+    def _slots(pages: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1)
+        return slots.to(device=device, dtype=torch.int32)
+
     @classmethod
     def new(cls, pages: tuple[int, ...], num_groups: int, capacity: int, device: torch.device) -> "HotTables":
-        slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1)
-        rows = slots.numel()
+        rows = len(pages) * PAGE_SIZE
         return cls(
-            hot_slots=slots.to(device=device, dtype=torch.int32),
+            pages=tuple(pages),
+            hot_slots=cls._slots(tuple(pages), device),
             slot_pos=torch.full((num_groups, rows), -1, dtype=torch.int32, device=device),
             slot_stamp=torch.zeros((num_groups, rows), dtype=torch.int64, device=device),
             pos_to_hot=torch.full((num_groups, capacity), -1, dtype=torch.int32, device=device),
@@ -61,6 +67,32 @@ class HotTables:
         grow = max(num_tokens, 2 * have) - have
         pad = torch.full((self.pos_to_hot.shape[0], grow), -1, dtype=torch.int32, device=self.pos_to_hot.device)
         self.pos_to_hot = torch.cat([self.pos_to_hot, pad], dim=1)
+
+    def resize(self, pages: tuple[int, ...], capacity: int) -> None:
+        """Refits the tables to `pages`, which keep the current pages' order: either a prefix of them
+        (shrink) or all of them followed by new ones (grow). Slots of kept pages keep their tokens and
+        stamps, so a request's hot rows survive the resize an extend and the decode after it make;
+        new slots start empty; tokens held by dropped slots leave the reverse map. No host sync."""
+        pages = tuple(pages)
+        keep = min(len(pages), len(self.pages))
+        if not pages or pages[:keep] != self.pages[:keep]:
+            raise ValueError("a resized lease keeps its pages in order: a non-empty prefix, or all and new ones")
+        rows, have = len(pages) * PAGE_SIZE, self.hot_slots.numel()
+        if rows < have:
+            self.hot_slots = self.hot_slots[:rows].clone()
+            self.slot_pos = self.slot_pos[:, :rows].clone()
+            self.slot_stamp = self.slot_stamp[:, :rows].clone()
+            self.pos_to_hot.masked_fill_(self.pos_to_hot >= rows, -1)
+        elif rows > have:
+            groups, device = self.slot_pos.shape[0], self.slot_pos.device
+            new = self._slots(pages[len(self.pages):], device)
+            self.hot_slots = torch.cat([self.hot_slots, new])
+            self.slot_pos = torch.cat([self.slot_pos, torch.full((groups, rows - have), -1, dtype=torch.int32,
+                                                                 device=device)], dim=1)
+            self.slot_stamp = torch.cat([self.slot_stamp, torch.zeros((groups, rows - have), dtype=torch.int64,
+                                                                      device=device)], dim=1)
+        self.pages = pages
+        self.ensure_capacity(capacity)
 
     def lease(self, group: int) -> LeaseState:
         """This lease's tables of one IndexShare group, as views the resolve updates in place."""

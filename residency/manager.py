@@ -72,6 +72,10 @@ class PoolExecutor(Protocol):
         """Every rank creates the request's hot tables (reverse map covering `capacity` positions)."""
         ...
 
+    def resize_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
+        """Every rank refits the request's hot tables, keeping the entries of the slots that stay."""
+        ...
+
     def close_lease(self, request_id: str) -> None: ...
 
 
@@ -318,7 +322,8 @@ class ResidencyManager:
     def size_hot_for(self, req: PagedRequest, rows: int, spare_pages: int) -> None:
         """Fits the hot buffer of a request with host-only pages to `rows` query rows per step: an
         extend grows it (with at most `spare_pages` free pages) so a turn's new tokens take few
-        steps; back at one row it returns to the configured size. Resizing starts empty tables."""
+        steps; back at one row it returns to the configured size. The slots of the pages that stay
+        keep their rows, so the decode after an extend finds the rows it held before."""
         if req.hot is None:
             return
         want_rows = min(rows * self.index_topk, self.host_only_tokens(req))
@@ -331,9 +336,8 @@ class ResidencyManager:
                 self.gpu_cache.release(page)
             have = have[:want]
         if len(have) != len(req.hot.pages):
-            self.executor.close_lease(req.request_id)
             req.hot = HotLease(tuple(have))
-            self.executor.open_lease(req.request_id, have, req.num_tokens + PAGE_SIZE)
+            self.executor.resize_lease(req.request_id, have, req.num_tokens + PAGE_SIZE)
 
     def lease_hot(self, req: PagedRequest) -> int:
         pages = self.gpu_cache.allocate(self.hot_pages_per_lease, PageUse.HOT)

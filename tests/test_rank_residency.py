@@ -69,3 +69,53 @@ def test_extend_rows_read_the_host_bytes_of_their_selection(tiny_dir: Path, piec
     assert counts.hot_misses == groups * len(set(chosen)) > 0
     assert counts.hot_hits == groups * (len(chosen) - len(set(chosen)))
     assert counts.bytes_h2d == len(set(chosen)) * sum(layout.group_run_bytes)
+
+
+def test_a_resized_lease_keeps_the_rows_of_the_slots_that_stay(tiny_dir: Path) -> None:
+    """An extend grows a request's hot buffer and the decode after it shrinks it back: rows held by
+    the slots that stay are hits after the shrink, rows of dropped slots are loaded again, and every
+    selected row reads its host bytes."""
+    layout = KVLayout.for_model(ModelConfig.from_dir(tiny_dir), "bf16")
+    gen = torch.Generator().manual_seed(1)
+    pool = torch.randint(0, 256, (24, layout.page_bytes), dtype=torch.uint8, generator=gen)
+    host = torch.randint(0, 256, (16, layout.page_bytes), dtype=torch.uint8, generator=gen)
+    num_tokens = 10 * PAGE
+    gpu_pages = torch.tensor([-1, 3, -1, -1, 5, -1, -1, -1, 7, 8], dtype=torch.int32)
+    host_pages = torch.tensor([15, 2, 9, 4, 0, 11, 6, 13, 1, 3], dtype=torch.int32)
+    host_only = [p for p in range(num_tokens) if gpu_pages[p // PAGE] < 0]
+    order = torch.randperm(len(host_only), generator=gen).tolist()
+    held_before, extend_rows = [host_only[i] for i in order[:100]], [host_only[i] for i in order[100:250]]
+    residency = RankResidency(layout, pool, host)
+    spec = NonResidentSpec("r", gpu_pages, host_pages, num_tokens)
+    groups = len(layout.group_sizes)
+
+    def resolve(selected: list[int], step: int) -> None:
+        positions = torch.tensor([selected])
+        lens = torch.tensor([len(selected)])
+        for group in range(groups):
+            slots = torch.full(positions.shape, -5, dtype=torch.long)
+            residency.resolve_rows(spec, group, positions, lens, step=step, slots=slots)
+            runs, host_runs = group_runs(pool, layout, group), group_runs(host, layout, group)
+            for p, slot in zip(selected, slots[0].tolist()):
+                assert torch.equal(runs[slot // PAGE, slot % PAGE], host_runs[host_pages[p // PAGE], p % PAGE])
+
+    residency.open_lease("r", [16, 17], num_tokens)  # 128 slots
+    resolve(held_before, step=1)
+    residency.resize_lease("r", [16, 17, 18, 19], num_tokens)  # the extend's 150 rows need more slots
+    resolve(extend_rows, step=2)
+    residency.resize_lease("r", [16, 17], num_tokens)  # back to the configured size
+    tables = residency.tables["r"]
+    for group in range(groups):  # the reverse map and the slots agree, and name only slots that stay
+        mapped = (tables.pos_to_hot[group] >= 0).nonzero().flatten()
+        assert int(tables.pos_to_hot[group].max()) < 2 * PAGE
+        assert torch.equal(tables.slot_pos[group, tables.pos_to_hot[group, mapped].long()], mapped.int())
+        assert len(mapped) == int((tables.slot_pos[group] >= 0).sum()) == 2 * PAGE
+    dropped = [p for p in extend_rows if tables.pos_to_hot[0, p] < 0]
+    assert len(dropped) == 250 - 2 * PAGE
+    residency.take_counts()
+    resolve(held_before + dropped[:20], step=3)
+    counts = residency.take_counts()
+    assert counts.hot_hits == groups * len(held_before)
+    assert counts.hot_misses == groups * 20
+    with pytest.raises(ValueError):
+        residency.resize_lease("r", [17, 16], num_tokens)  # slots would change places

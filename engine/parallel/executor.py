@@ -99,6 +99,11 @@ class Executor(ABC):
         """Every rank creates empty hot tables for the request (positions below `capacity` mapped)."""
 
     @abstractmethod
+    def resize_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
+        """Every rank refits the request's hot tables to `pages` (a prefix of its pages, or all of them
+        and new ones), keeping the entries of the slots that stay."""
+
+    @abstractmethod
     def close_lease(self, request_id: str) -> None: ...
 
     @abstractmethod
@@ -166,6 +171,9 @@ class LocalExecutor(Executor):
 
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
         self.worker.open_lease(request_id, pages, capacity)
+
+    def resize_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
+        self.worker.resize_lease(request_id, pages, capacity)
 
     def close_lease(self, request_id: str) -> None:
         self.worker.close_lease(request_id)

@@ -64,6 +64,9 @@ class RankResidency:
             raise RuntimeError(f"request {request_id!r} already holds a hot lease on this rank")
         self.tables[request_id] = HotTables.new(tuple(pages), self.num_groups, capacity, self.pool.device)
 
+    def resize_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
+        self.tables[request_id].resize(tuple(pages), capacity)
+
     def close_lease(self, request_id: str) -> None:
         del self.tables[request_id]
 

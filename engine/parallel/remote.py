@@ -58,7 +58,7 @@ class RemoteWorker:
     # ... and calls the rank's `Worker` answers as it is.
     FORWARDED = frozenset({
         "memory_info", "init_kv_pool", "load_pages", "read_pages", "write_pages", "copy_pages", "open_lease",
-        "close_lease", "lease_digests",
+        "resize_lease", "close_lease", "lease_digests",
     })
 
     def __init__(self, spec: WorkerSpec, rank: int, device: torch.device, dist_url: str,
@@ -247,6 +247,9 @@ class RemoteExecutor(Executor):
 
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
         self._run(self._ranks, ("open_lease", (request_id, list(pages), capacity)), wait=False)
+
+    def resize_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
+        self._run(self._ranks, ("resize_lease", (request_id, list(pages), capacity)), wait=False)
 
     def close_lease(self, request_id: str) -> None:
         self._run(self._ranks, ("close_lease", (request_id,)), wait=False)

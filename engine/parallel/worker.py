@@ -135,6 +135,9 @@ class Worker:
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
         self._host_tier().open_lease(request_id, pages, capacity)
 
+    def resize_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
+        self._host_tier().resize_lease(request_id, pages, capacity)
+
     def close_lease(self, request_id: str) -> None:
         self._host_tier().close_lease(request_id)
 
