@@ -48,14 +48,20 @@ class HotTables:
         slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1)
         return slots.to(device=device, dtype=torch.int32)
 
+    @staticmethod
+    def _empty(num_groups: int, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """`slot_pos` and `slot_stamp` of `rows` empty slots per group."""
+        return (torch.full((num_groups, rows), -1, dtype=torch.int32, device=device),
+                torch.zeros((num_groups, rows), dtype=torch.int64, device=device))
+
     @classmethod
     def new(cls, pages: tuple[int, ...], num_groups: int, capacity: int, device: torch.device) -> "HotTables":
-        rows = len(pages) * PAGE_SIZE
+        slot_pos, slot_stamp = cls._empty(num_groups, len(pages) * PAGE_SIZE, device)
         return cls(
             pages=tuple(pages),
             hot_slots=cls._slots(tuple(pages), device),
-            slot_pos=torch.full((num_groups, rows), -1, dtype=torch.int32, device=device),
-            slot_stamp=torch.zeros((num_groups, rows), dtype=torch.int64, device=device),
+            slot_pos=slot_pos,
+            slot_stamp=slot_stamp,
             pos_to_hot=torch.full((num_groups, capacity), -1, dtype=torch.int32, device=device),
         )
 
@@ -84,13 +90,11 @@ class HotTables:
             self.slot_stamp = self.slot_stamp[:, :rows].clone()
             self.pos_to_hot.masked_fill_(self.pos_to_hot >= rows, -1)
         elif rows > have:
-            groups, device = self.slot_pos.shape[0], self.slot_pos.device
-            new = self._slots(pages[len(self.pages):], device)
-            self.hot_slots = torch.cat([self.hot_slots, new])
-            self.slot_pos = torch.cat([self.slot_pos, torch.full((groups, rows - have), -1, dtype=torch.int32,
-                                                                 device=device)], dim=1)
-            self.slot_stamp = torch.cat([self.slot_stamp, torch.zeros((groups, rows - have), dtype=torch.int64,
-                                                                      device=device)], dim=1)
+            device = self.slot_pos.device
+            new_pos, new_stamp = self._empty(self.slot_pos.shape[0], rows - have, device)
+            self.hot_slots = torch.cat([self.hot_slots, self._slots(pages[len(self.pages):], device)])
+            self.slot_pos = torch.cat([self.slot_pos, new_pos], dim=1)
+            self.slot_stamp = torch.cat([self.slot_stamp, new_stamp], dim=1)
         self.pages = pages
         self.ensure_capacity(capacity)
 
