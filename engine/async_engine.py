@@ -4,8 +4,10 @@
 produced tokens for the request. Submissions and aborts cross into the engine
 thread through a locked inbox; outputs come back through each request's
 asyncio queue. A consumer that stops iterating (client gone, task cancelled)
-aborts its request, which frees its pages. If the loop dies, every stream gets
-the error and `is_healthy()` turns false.
+aborts its request, which frees its pages. A request the engine ended on an
+error of its own raises `RequestFailedError` from its stream while the others go
+on. If the loop dies, every stream gets `EngineDeadError` and `is_healthy()`
+turns false.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ T = TypeVar("T")
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can make progress."""
+
+
+class RequestFailedError(RuntimeError):
+    """Processing this one request failed; the engine ended it and serves the others."""
+
+
+def _stream_item(output: RequestOutput) -> RequestOutput | RequestFailedError:
+    """What the request's stream gets: the output, or the error the engine ended the request with."""
+    return output if output.error is None else RequestFailedError(output.error)
 
 
 @dataclass
@@ -143,6 +154,9 @@ class AsyncEngine:
                 self.engine.add_request(rid, prompt, params)
             except ValueError as exc:
                 self._deliver(rid, exc)
+            except Exception as exc:  # noqa: BLE001 - one request's failure is its own, not the loop's
+                logger.exception("adding request %s failed", rid)
+                self._deliver(rid, RequestFailedError(f"{type(exc).__name__}: {exc}"))
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
@@ -162,10 +176,10 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 for output in self.engine.step():
-                    self._deliver(output.request_id, output)
+                    self._deliver(output.request_id, _stream_item(output))
         except BaseException as exc:  # noqa: BLE001 - any failure ends the loop; streams must hear of it
+            self.error = exc  # first, so health checks fail from now on
             logger.exception("engine loop died")
-            self.error = exc
         dead = EngineDeadError(f"engine loop stopped: {self.error!r}" if self.error else "engine shut down")
         with self._lock:
             streams, self._streams = dict(self._streams), {}

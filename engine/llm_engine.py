@@ -7,6 +7,9 @@ page accounting and residency decisions, and runs the model through an
 executor (engine/parallel/) on one rank in this process or on
 `tensor_parallel_size` ranks in worker processes. A failed rank makes `step()`
 raise `WorkerError`, which ends the async loop and marks the replica unhealthy.
+A failure while sampling or emitting one request's token (its sampling values,
+stop strings, detokenizer) ends that request alone, with an output carrying the
+error: its pages are freed and the batch goes on.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from engine.parallel.executor import make_executor
 from engine.parallel.sharding import check_shardable
 from engine.parallel.worker import WorkerSpec
 from engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
-from engine.sampler import sample
+from engine.sampler import sample_token
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 from residency.config import HiSparseConfig
@@ -54,6 +57,7 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    error: str | None = None  # why the engine ended this request (finish_reason "error"); None otherwise
 
 
 @dataclass
@@ -182,10 +186,11 @@ class LLMEngine:
         if seed is None:
             seed, self._seed_counter = self._seed_counter, self._seed_counter + 1
         generator = torch.Generator(device=self.executor.logits_device).manual_seed(seed)
-        self._requests[request_id] = req
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
-        self._text[request_id] = _TextState(detok, generator=generator)
+        # Queued and registered only once everything is built, so a failed add leaves nothing behind.
         self.scheduler.add(req)
+        self._requests[request_id] = req
+        self._text[request_id] = _TextState(detok, generator=generator)
 
     def abort_request(self, request_id: str) -> bool:
         """Ends a request in any state and frees its pages; False if it is unknown or already done."""
@@ -207,12 +212,41 @@ class LLMEngine:
             return []
         logits = self.runner.execute(out.scheduled)
         completing = [s.request for s in out.scheduled if s.completes]
-        states = [self._text[r.request_id] for r in completing]
-        tokens = sample(logits, [r.params for r in completing], [s.generator for s in states])
+        argmax = logits.argmax(dim=-1).tolist()  # greedy rows read this: one device sync for the batch
         self.scheduler.after_step(out)
         self.num_steps += 1
         self._record_states()
-        return [self._append(req, tok) for req, tok in zip(completing, tokens)]
+        return [self._complete(req, logits[row], argmax[row]) for row, req in enumerate(completing)]
+
+    def _complete(self, req: Request, logits: torch.Tensor, argmax: int) -> RequestOutput:
+        """Samples and appends `req`'s token; a failure here ends `req` alone, not the step."""
+        try:
+            state = self._text[req.request_id]
+            token = argmax if req.params.greedy else sample_token(logits, req.params, state.generator)
+            return self._append(req, token)
+        except Exception as exc:  # noqa: BLE001 - the request gets the failure; the batch goes on
+            logger.exception("request %s failed; ending it alone", req.request_id)
+            return self._fail(req, exc)
+
+    def _fail(self, req: Request, exc: Exception) -> RequestOutput:
+        """Ends `req` with `FinishReason.ERROR`, frees its pages and reports the error in its output."""
+        if not req.is_finished:
+            self.scheduler.finish(req, FinishReason.ERROR)
+        self._requests.pop(req.request_id, None)
+        state = self._text.pop(req.request_id, None)
+        text = state.text[: state.emitted] if state is not None else ""
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            token_ids=list(req.output_token_ids),
+            text_delta="",
+            text=text,
+            finished=True,
+            finish_reason=FinishReason.ERROR.value,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            error=f"{type(exc).__name__}: {exc}",
+        )
 
     def _append(self, req: Request, token: int) -> RequestOutput:
         req.output_token_ids.append(token)

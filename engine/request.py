@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from residency.hot_buffer import HotLease
 
 
+# Temperatures below this sample greedily: the distribution is one-hot to float32 precision there, and
+# dividing by a subnormal temperature overflows (vLLM uses the same bound).
+MIN_TEMPERATURE = 1e-5
+
+
 class InvalidRequestError(ValueError):
     """A submission the engine refuses; the message is meant for the client."""
 
@@ -45,7 +50,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Whether the most probable token is taken; a near-zero temperature means the same."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +65,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS token or stop string
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
+    ERROR = "error"  # processing this request failed; the engine ended it alone
 
 
 @dataclass

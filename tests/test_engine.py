@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.request import InvalidRequestError, SamplingParams
+from engine.sampler import sample_token
 from tests.helpers import LogitsRecorder, assert_pages_released, greedy, make_engine
 
 
@@ -199,3 +201,93 @@ def test_prefix_moves_between_engines(tiny_dir: Path) -> None:
     with pytest.raises(ValueError, match="hashes"):
         install_prefix(decode.kv, decode.runner.executor, list(reversed(prompt)), snap)
     assert_pages_released(decode)
+
+
+# Values validation accepts at their edges that leave one candidate token: each must give the argmax.
+_NEAR_GREEDY = {
+    "temperature 1e-39": SamplingParams(temperature=1e-39),
+    "temperature 1e-30": SamplingParams(temperature=1e-30),
+    "top_p 1e-300": SamplingParams(temperature=1.0, top_p=1e-300),
+    "top_p 7e-46": SamplingParams(temperature=1.0, top_p=7e-46),
+    "top_k 1, temperature 2": SamplingParams(temperature=2.0, top_k=1),
+    "top_k 1, top_p 1e-300, temperature 100": SamplingParams(temperature=100.0, top_k=1, top_p=1e-300),
+}
+
+
+def _spread_logits(dtype: torch.dtype) -> torch.Tensor:
+    """A row with a clear winner, a wide range and masked entries, as a model head can produce."""
+    logits = torch.randn(400, generator=torch.Generator().manual_seed(0)) * 30
+    logits[17] = 200.0
+    logits[:5] = float("-inf")
+    return logits.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extreme_sampling_values_pick_the_argmax(dtype: torch.dtype) -> None:
+    logits = _spread_logits(dtype)
+    cases = {**_NEAR_GREEDY, "temperature 1e-5": SamplingParams(temperature=1e-5)}  # samples, from a one-hot row
+    for name, params in cases.items():
+        picks = {sample_token(logits, params, torch.Generator().manual_seed(seed)) for seed in range(20)}
+        assert picks == {17}, name
+
+
+def test_extreme_sampling_values_generate_like_greedy(tiny_dir: Path) -> None:
+    """A batch of every edge value runs to the end, and each request decodes exactly as greedy does."""
+    engine = make_engine(tiny_dir)
+    prompt = _prompt(40, 12)
+    [reference] = engine.generate([prompt], [greedy(10)])
+    params = [dataclasses.replace(p, max_tokens=10, ignore_eos=True) for p in _NEAR_GREEDY.values()]
+    outputs = engine.generate([prompt] * len(params), params)
+    assert [o.token_ids for o in outputs] == [reference.token_ids] * len(params)
+    assert_pages_released(engine)
+
+
+def test_seeded_request_repeats_beside_edge_values(tiny_dir: Path) -> None:
+    """A seeded request draws the same tokens alone and batched with near-zero temperature and top_p."""
+    prompt = _prompt(30, 13)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=77, ignore_eos=True)
+    engine = make_engine(tiny_dir)
+    [alone] = engine.generate([prompt], [seeded])
+    edges = [SamplingParams(max_tokens=12, temperature=1e-39),
+             SamplingParams(max_tokens=12, temperature=1.0, top_p=7e-46)]
+    batched = engine.generate([_prompt(20, 14), prompt, _prompt(50, 15)], [edges[0], seeded, edges[1]])
+    assert batched[1].token_ids == alone.token_ids
+    [greedy_run] = engine.generate([prompt], [greedy(12)])
+    assert alone.token_ids != greedy_run.token_ids  # it samples
+    assert_pages_released(engine)
+
+
+def test_a_failing_request_ends_alone_and_frees_its_pages(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its sampling raising mid-generation ends it with an error output; the batch (sampled rows too) goes on."""
+    engine = make_engine(tiny_dir, max_num_batched_tokens=64)
+    prompts = [_prompt(n, 30 + n) for n in (90, 40, 70)]
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    victim = SamplingParams(max_tokens=12, temperature=1.0, seed=6, ignore_eos=True)
+    [expected] = make_engine(tiny_dir).generate([prompts[2]], [sampled])
+    draws = {"victim": 0}
+
+    def flaky(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+        if params is victim:
+            draws["victim"] += 1
+            if draws["victim"] == 4:
+                raise RuntimeError("row broke")
+        return sample_token(logits, params, generator)
+
+    monkeypatch.setattr("engine.llm_engine.sample_token", flaky)
+    engine.add_request("ok", prompts[0], greedy(12))
+    engine.add_request("victim", prompts[1], victim)
+    engine.add_request("sampled", prompts[2], sampled)
+    final = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            engine.check_integrity()
+            if o.finished:
+                final[o.request_id] = o
+    failed = final["victim"]
+    assert failed.finish_reason == "error" and failed.error == "RuntimeError: row broke"
+    assert len(failed.token_ids) == 3 and failed.new_token_ids == []
+    assert final["ok"].error is None and len(final["ok"].token_ids) == 12
+    assert final["sampled"].token_ids == expected.token_ids
+    assert_pages_released(engine)
+    [after] = engine.generate([prompts[1]], [greedy(5)])
+    assert len(after.token_ids) == 5 and after.error is None
