@@ -8,7 +8,9 @@ part of the prompt this replica does not already cache is at least
 `disagg.min_transfer_tokens` long; only that part is moved. Any failure of the
 remote path (prefill replica dead or saturated, object lost, export refused,
 timeout) is logged and counted, and the replica prefills locally: the request
-still succeeds. Without prefill replicas the deployment is colocated.
+still succeeds. An export with no pages (the prefill replica held nothing past
+what this replica caches) is not a failure: there is nothing to land, and the
+replica computes the rest itself. Without prefill replicas the deployment is colocated.
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ class DecodeServer(EngineServer):
         response = self._prefill.prefill.remote(PrefillRequest(req.request_id, ids, held))
         try:
             handle = await asyncio.wait_for(response, timeout)
+            if handle.num_pages == 0:
+                logger.info("%s: the prefill replica exported no pages; prefilling locally", req.request_id)
+                self.counters["empty_exports"] += 1
+                return
             export = await fetch(handle, max(timeout - (time.monotonic() - started), 1.0))
             await asyncio.to_thread(export.verify, self._config.model_id, self.engine.engine.layout, ids)
             landing = await self.engine.run_in_engine(lambda e: land_prefix(e, ids, export))

@@ -44,9 +44,15 @@ def layout_facts(layout: KVLayout) -> dict[str, Any]:
 
 
 def _crc32(*arrays: np.ndarray) -> int:
+    """CRC-32 of the arrays' bytes in order, read in place (pages are large and may be shared memory).
+
+    Empty arrays add no bytes and are skipped: a memoryview with a zero in its
+    shape cannot be cast, and an export with no pages left to send is normal.
+    """
     crc = 0
     for array in arrays:
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B"), crc)
+        if array.size:
+            crc = zlib.crc32(memoryview(np.ascontiguousarray(array)).cast("B"), crc)
     return crc
 
 
@@ -96,6 +102,7 @@ def export_snapshot(
     """Builds the export of `snap` without the pages covering the first `start_tokens` tokens.
 
     `start_tokens` is rounded down to whole indexer pages, the unit of prefix reuse.
+    When the snapshot holds nothing past it, the export has no pages (and lands nothing).
     """
     per_idx = layout.indexer_tokens_per_page
     start = min(start_tokens, snap.num_tokens) // per_idx * per_idx

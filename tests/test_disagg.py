@@ -4,10 +4,14 @@ Checks that landed pages give the decode engine exactly the tokens it would
 compute itself, on GPU pages or from the host pool when the GPU pool is short,
 that only pages the receiver lacks travel, and that every way an export can be
 wrong (model, layout, prompt, bytes, evicted head) is refused before a byte lands.
+An export with no pages left to send is a normal outcome: it verifies, lands
+nothing, and the decode replica neither fails nor counts a fallback.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
 from pathlib import Path
 
@@ -15,8 +19,14 @@ import numpy as np
 import pytest
 import torch
 
+from app.config import AppConfig
+from app.decode import DecodeServer
+from app.messages import GenerateRequest, PrefillRequest
+from disagg.host_tier import KVHandle
 from disagg.kv_export import ExportMismatch, KVExport, export_snapshot
 from disagg.landing import cached_prefix_tokens, land_prefix
+from engine.async_engine import AsyncEngine
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.prefix_transfer import snapshot_prefix
 from engine.request import SamplingParams
@@ -140,3 +150,77 @@ def test_export_arrays_are_plain_numpy(engines: tuple[LLMEngine, LLMEngine]) -> 
     export = _prefill_and_export(prefill, ids)
     assert isinstance(export.mla, np.ndarray) and export.mla.dtype == np.uint8
     assert export.num_bytes == export.num_pages * prefill.layout.page_bytes
+
+
+@pytest.mark.parametrize("start_tokens", [PAGE, PAGE + 40, 3 * PAGE])
+def test_export_with_nothing_past_the_start_lands_nothing(
+    tiny_dir: Path, engines: tuple[LLMEngine, LLMEngine], start_tokens: int
+) -> None:
+    prefill, _ = engines
+    decode = make_engine(tiny_dir, num_gpu_pages=64)
+    ids = _prompt(PAGE + 50, seed=10)
+    decode.generate([ids], [greedy(1)])  # the decode replica holds the one whole indexer page already
+    export = _prefill_and_export(prefill, ids, start_tokens=start_tokens)
+    assert (export.start_tokens, export.num_tokens, export.num_pages, export.num_bytes) == (PAGE, PAGE, 0, 0)
+    export.verify(MODEL_ID, decode.layout, ids)
+    cached = decode.kv.cache.num_cached
+    assert land_prefix(decode, ids, export) == (PAGE, 0, "gpu")
+    assert decode.kv.cache.num_cached == cached
+    assert_pages_released(decode)
+
+
+def test_export_of_an_empty_snapshot_lands_nothing(tiny_dir: Path, engines: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, _ = engines
+    decode = make_engine(tiny_dir, num_gpu_pages=64)
+    ids = _prompt(PAGE - 1, seed=11)  # shorter than one indexer page: nothing is reusable
+    export = _prefill_and_export(prefill, ids)
+    assert (export.num_tokens, export.num_pages) == (0, 0)
+    export.verify(MODEL_ID, decode.layout, ids)
+    assert land_prefix(decode, ids, export) == (0, 0, "gpu")
+    assert decode.kv.cache.num_cached == 0
+    [out] = decode.generate([ids], [greedy(3)])
+    assert len(out.token_ids) == 3
+
+
+class _EmptyExportPrefill:
+    """A prefill deployment whose replica had no page to export past what the decode replica holds."""
+
+    def __init__(self) -> None:
+        self.prefill = self  # `handle.prefill.remote(...)`
+        self.requests: list[PrefillRequest] = []
+
+    def remote(self, req: PrefillRequest) -> asyncio.Future:
+        self.requests.append(req)
+        response = asyncio.get_running_loop().create_future()
+        # The ref is never read: a handle with no pages has nothing to fetch.
+        response.set_result(KVHandle(None, req.start_tokens, req.start_tokens, num_pages=0, num_bytes=0))
+        return response
+
+
+class _TransferLog:
+    def __init__(self) -> None:
+        self.outcomes: list[str] = []
+
+    def transfer(self, outcome: str, *args: object) -> None:
+        self.outcomes.append(outcome)
+
+
+def test_decode_takes_an_empty_export_as_nothing_to_import(tiny_dir: Path) -> None:
+    async def run() -> tuple[collections.Counter, list[str], list[PrefillRequest]]:
+        server = object.__new__(DecodeServer)  # the replica's state without Serve
+        server._config = AppConfig.from_args({"model": {"path": str(tiny_dir)}})
+        server.engine = AsyncEngine(EngineConfig(model=str(tiny_dir), num_gpu_pages=64))
+        server.counters, server.metrics = collections.Counter(), _TransferLog()
+        server._prefill = _EmptyExportPrefill()
+        server._min_transfer_tokens = server._reuse_unit = PAGE
+        try:
+            await server._prefill_remotely(GenerateRequest("r1", _prompt(2 * PAGE + 10, seed=12), greedy(2)))
+        finally:
+            server.engine.shutdown()
+        return server.counters, server.metrics.outcomes, server._prefill.requests
+
+    counters, outcomes, requests = asyncio.run(run())
+    assert [r.start_tokens for r in requests] == [0]
+    assert counters["transfer_fallbacks"] == 0 and counters["imported_tokens"] == 0
+    assert counters["empty_exports"] == 1
+    assert outcomes == []
