@@ -7,12 +7,19 @@ encoding, decoding and rendering keep no state between calls.
 Chat templates are model-supplied code, so they run in Jinja's immutable sandbox with the same
 environment Hugging Face gives them (trim and lstrip of blocks, a `tojson` filter that keeps
 non-ASCII text, `raise_exception`), which lets a real checkpoint's template render unchanged.
+
+Role markers and other added tokens come only from the template: text a client wrote in a
+system, user or tool message is encoded as plain text even where it spells `<|assistant|>`, so a
+message cannot open a turn of another role. Such text is rendered through a placeholder and
+spliced back as plain-text tokens; assistant turns (the model's own output) render as they are.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -31,8 +38,16 @@ logger = logging.getLogger(__name__)
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
+# Roles whose text is the client's: control tokens it spells are encoded as plain text.
+_CLIENT_TEXT_ROLES = frozenset({"system", "developer", "user", "tool"})
+
+
 class ChatTemplateError(ValueError):
     """The conversation cannot be rendered: bad messages, or the template refused them."""
+
+
+class TokenizationError(ValueError):
+    """Text that cannot be tokenized (not valid Unicode, e.g. a lone surrogate)."""
 
 
 class _GenerationTag(Extension):
@@ -88,6 +103,14 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, Mapping):
         return value.get("content")
     return value if isinstance(value, str) else None
+
+
+def _check_unicode(text: str) -> None:
+    """Raises `TokenizationError` naming the position of the first character UTF-8 cannot carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise TokenizationError(f"text is not valid Unicode: {exc.reason} at character {exc.start}") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -155,6 +178,8 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
         self._template = compile_chat_template(chat_template) if chat_template is not None else None
+        added = sorted((t.content for t in backend.get_added_tokens_decoder().values()), key=len, reverse=True)
+        self._added_token_pattern = re.compile("|".join(map(re.escape, added))) if added else None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -199,7 +224,27 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS is added, and special tokens written in the text are matched."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        try:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        except TypeError as exc:  # the backend refuses strings that are not valid Unicode
+            _check_unicode(text)
+            raise TokenizationError(f"text cannot be tokenized: {exc}") from exc
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of `text` with every added token spelled in it encoded as ordinary text.
+
+        Runs the backend's pipeline without its added-token pass; for text that spells no added
+        token the ids equal `encode(text)`.
+        """
+        _check_unicode(text)
+        backend = self._backend
+        if backend.normalizer is not None:
+            text = backend.normalizer.normalize_str(text)
+        pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
+        return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+
+    def spells_added_token(self, text: str) -> bool:
+        return self._added_token_pattern is not None and self._added_token_pattern.search(text) is not None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -241,5 +286,46 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> list[int]:
-        """Token ids of the rendered conversation."""
-        return self.encode(self.apply_chat_template(messages, tools, add_generation_prompt, **template_kwargs))
+        """Token ids of the rendered conversation; client text that spells added tokens stays plain text."""
+        messages, spliced, marker = self._hide_client_markers(messages)
+        rendered = self.apply_chat_template(messages, tools, add_generation_prompt, **template_kwargs)
+        if not spliced:
+            return self.encode(rendered)
+        pieces = marker.split(rendered)  # template text, placeholder index, template text, ...
+        indices = [int(i) for i in pieces[1::2]]
+        if sorted(indices) != list(range(len(spliced))):
+            raise ChatTemplateError("message text that spells the model's control tokens is not rendered verbatim "
+                                    "by this chat template, so it cannot be kept as plain text")
+        ids: list[int] = []
+        for n, piece in enumerate(pieces):
+            ids += self.encode(piece) if n % 2 == 0 else self.encode_plain(spliced[int(piece)])
+        return ids
+
+    def _hide_client_markers(
+        self, messages: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[Mapping[str, Any]], list[str], re.Pattern[str]]:
+        """Messages whose client text spelling added tokens is replaced by unique placeholders.
+
+        Returns the messages, the replaced texts by placeholder index, and the placeholder pattern.
+        """
+        nonce = secrets.token_hex(8)
+        marker = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        spliced: list[str] = []
+
+        def hide(text: Any) -> Any:
+            if not isinstance(text, str) or not self.spells_added_token(text):
+                return text
+            spliced.append(text)
+            return f"\ue000{nonce}:{len(spliced) - 1}\ue001"
+
+        hidden: list[Mapping[str, Any]] = []
+        for message in messages:
+            if not isinstance(message, Mapping) or message.get("role") not in _CLIENT_TEXT_ROLES:
+                hidden.append(message)
+                continue
+            content = message.get("content")
+            if isinstance(content, list):
+                content = [{**part, "text": hide(part.get("text"))} if isinstance(part, Mapping) else part
+                           for part in content]
+            hidden.append({**message, "content": hide(content)})
+        return hidden, spliced, marker
