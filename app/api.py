@@ -2,18 +2,28 @@
 
 Built on each ingress replica by `OpenAIIngress.__serve_build_asgi_app__`. Routes
 under `/v1` and the tokenizer routes require the API key when one is configured
-(`Authorization: Bearer KEY`); `/health` never does.
+(`Authorization: Bearer KEY`, compared by its SHA-256 digest); `/health` never
+does. Bodies are size-limited before they are read (`app.body_limit`) and parsed
+and validated in a worker thread, so a large body does not hold the event loop
+that streams everyone else's tokens. There is no `/docs` and no `/openapi.json`:
+the API is OpenAI's, documented by OpenAI and in the README, and an unauthenticated
+schema would describe more than the health check to anyone who can connect.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
-from typing import TYPE_CHECKING, Any
+import time
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
-from app.errors import APIError, install_error_handlers
+from app.body_limit import BodyLimitMiddleware
+from app.errors import APIError, install_error_handlers, invalid_request
 from app.openai_models import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from app.responses import ResponseMeta, collect_chat, collect_completion, stream_chat, stream_completion
 
@@ -21,26 +31,39 @@ if TYPE_CHECKING:
     from app.ingress import OpenAIIngress
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    """The request body validated as `model`, parsed off the event loop; 400 naming the field when invalid."""
+    raw = await request.body()
+    try:
+        return await asyncio.to_thread(model.model_validate_json, raw)
+    except ValidationError as exc:
+        raise invalid_request(exc.errors(include_url=False)) from None
 
 
 def build_api(ingress: OpenAIIngress) -> FastAPI:
-    api = FastAPI(title="hisparse-serve", docs_url=None, redoc_url=None)
+    api = FastAPI(title="hisparse-serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(api)
+    api.add_middleware(BodyLimitMiddleware, max_bytes=ingress.max_body_bytes)
 
     def authorize(request: Request) -> None:
-        if ingress.api_key is None:
+        if ingress.api_key_digest is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), ingress.api_key.encode()):
+        digest = hashlib.sha256(token.strip().encode()).hexdigest()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(digest, ingress.api_key_digest):
             raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key")
 
     guarded = [Depends(authorize)]
 
     def meta(request_id: str, include_usage: bool, parse_tools: bool = False) -> ResponseMeta:
-        return ResponseMeta(request_id, ingress.model_id, ingress.created, parse_tools, include_usage)
+        return ResponseMeta(request_id, ingress.model_id, int(time.time()), parse_tools, include_usage)
 
     @api.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
         request_id, stream, parse_tools = await ingress.chat(body, request.headers)
         info = meta(request_id, bool(body.stream_options and body.stream_options.include_usage), parse_tools)
         if body.stream:
@@ -48,7 +71,8 @@ def build_api(ingress: OpenAIIngress) -> FastAPI:
         return JSONResponse(collect_chat(info, await stream.collect()))
 
     @api.post("/v1/completions", dependencies=guarded)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
         request_id, stream = await ingress.completion(body, request.headers)
         info = meta(request_id, bool(body.stream_options and body.stream_options.include_usage))
         if body.stream:
@@ -63,14 +87,15 @@ def build_api(ingress: OpenAIIngress) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     @api.post("/tokenize", dependencies=guarded)
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        tokens = await ingress.tokenize(body)
+    async def tokenize(request: Request) -> dict[str, Any]:
+        tokens = await ingress.tokenize(await parse_body(request, TokenizeRequest))
         return {"count": len(tokens), "max_model_len": ingress.max_model_len, "tokens": tokens}
 
     @api.post("/detokenize", dependencies=guarded)
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(request: Request) -> dict[str, Any]:
+        body = await parse_body(request, DetokenizeRequest)
         ingress.check_model(body.model)
-        return {"prompt": ingress.detokenize(body.tokens)}
+        return {"prompt": await asyncio.to_thread(ingress.detokenize, body.tokens)}
 
     @api.get("/health")
     async def health() -> Response:

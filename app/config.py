@@ -12,6 +12,7 @@ not applied.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import re
@@ -163,13 +164,32 @@ class ApiArgs(_Section):
     """The OpenAI-compatible HTTP API."""
 
     api_key: str | None = None
-    """Bearer key clients must send; prefer api_key_env, since Serve shows args in its dashboard."""
+    """Bearer key clients must send; prefer api_key_env or api_key_sha256, since Serve shows args in its dashboard."""
     api_key_env: str = "HISPARSE_API_KEY"
-    """Environment variable read by the ingress replica for the key when api_key is not set."""
+    """Environment variable holding the key, read where the app is built and where the ingress runs."""
+    api_key_sha256: str | None = Field(None, pattern="^[0-9a-f]{64}$")
+    """SHA-256 hex digest of the key: a config can require a key without holding it."""
+    require_api_key: bool = False
+    """Refuse to start the ingress when no key is found (instead of serving without one)."""
+    max_body_bytes: int | None = Field(None, ge=1024)
+    """Largest request body; None = 1 MiB plus 16 bytes per admissible prompt token."""
     default_max_tokens: int = Field(256, ge=1)
     """Output tokens of a request that names no max_tokens."""
     max_prompt_tokens: int | None = Field(None, ge=1)
     """Admission limit: longer prompts get HTTP 400 at the ingress; None = only max_model_len applies."""
+
+    def key_digest(self) -> str | None:
+        """SHA-256 digest of the key from api_key, else api_key_sha256, else the api_key_env variable here."""
+        if self.api_key is None and self.api_key_sha256 is not None:
+            return self.api_key_sha256
+        key = self.api_key or os.environ.get(self.api_key_env)
+        return hashlib.sha256(key.encode()).hexdigest() if key else None
+
+    def body_limit(self, max_model_len: int) -> int:
+        """Bytes a request body may have: room for the longest admissible prompt as JSON, tools included."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return 2**20 + 16 * (self.max_prompt_tokens or max_model_len)
 
 
 class DisaggArgs(_Section):
@@ -249,14 +269,16 @@ class AppConfig(_Section):
             raise ConfigError(_describe(exc)) from None
 
     def resolved(self) -> AppConfig:
-        """The config with an absolute, existing model directory (the tiny model is written if asked)."""
+        """The config with an absolute, existing model directory (the tiny model is written if asked) and
+        the API key, if one is set here, carried as its digest (so it reaches the ingress in every mode)."""
         path = Path(_expand_env(self.model.path)).expanduser().resolve()
         if not (path / "config.json").is_file():
             if not self.model.create_tiny:
                 raise ConfigError(f"model.path {str(path)!r} has no config.json (set model.create_tiny for the demo)")
             logger.info("writing the tiny model to %s", path)
             make_tiny(path)
-        return self.model_copy(update={"model": self.model.model_copy(update={"path": str(path)})})
+        api = self.api.model_copy(update={"api_key": None, "api_key_sha256": self.api.key_digest()})
+        return self.model_copy(update={"model": self.model.model_copy(update={"path": str(path)}), "api": api})
 
     def engine_config(self, role: Literal["decode", "prefill"] = "decode") -> EngineConfig:
         """The `EngineConfig` of a replica: fields the engine has; the others are logged as not applied."""

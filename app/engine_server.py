@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from app.config import AppConfig
+from app.logs import log_cancellations_briefly, route_app_logs
 from app.messages import GenerateChunk, GenerateRequest
 from app.metrics import RESIDENCY_STATES, ReplicaMetrics
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.request import InvalidRequestError
 from residency.manager import ResidencyManager
@@ -51,6 +52,8 @@ class EngineServer:
     role: Literal["decode", "prefill"]
 
     async def __init__(self, config: AppConfig) -> None:
+        route_app_logs()
+        log_cancellations_briefly(asyncio.get_running_loop())
         self._config = config
         self.engine = await asyncio.to_thread(AsyncEngine, config.engine_config(self.role))
         self.metrics = ReplicaMetrics(config.model_id, self.role)
@@ -73,12 +76,18 @@ class EngineServer:
         while self.engine.is_healthy():
             try:
                 self.metrics.update_engine(await self.stats())
+            except EngineDeadError:  # stopped between the check and the call: the loop ends
+                return
             except Exception:  # noqa: BLE001 - a metrics failure must not end the replica's metrics for good
                 logger.exception("updating engine metrics failed")
             await asyncio.sleep(self._config.metrics_interval_s)
 
     async def _stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Runs `req` on the local engine; refusals become one refusal chunk, metrics are recorded at the end."""
+        """Runs `req` on the local engine; refusals become one refusal chunk, metrics are recorded at the end.
+
+        A request the engine ended on its own error gets a 500 chunk (counted as
+        `finished_error`) while this replica stays healthy; a dead engine gets 503.
+        """
         arrival = time.monotonic()
         first_token_at: float | None = None
         prompt_tokens = output_tokens = 0
@@ -94,6 +103,10 @@ class EngineServer:
                     yield GenerateChunk.of(output)
         except InvalidRequestError as exc:
             yield GenerateChunk.refusal(400, str(exc))
+            return
+        except RequestFailedError as exc:
+            reason = "error"
+            yield GenerateChunk.refusal(500, f"the request failed: {exc}")
             return
         except EngineDeadError as exc:
             yield GenerateChunk.refusal(503, f"the engine of this replica stopped: {exc}")

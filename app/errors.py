@@ -1,15 +1,18 @@
 """OpenAI-style errors: one exception type for the API and the handlers that render every failure alike.
 
 Every error leaves the ingress as `{"error": {"message", "type", "param", "code"}}`
-with its HTTP status: 400 for invalid requests (bad JSON, missing fields, bad
-values, prompts too long), 401 for a missing or wrong API key, 404 for an unknown
-model or route, 503 when the decode replicas are overloaded or unavailable,
-500 for anything unexpected (logged with its traceback).
+with its HTTP status: 400 for invalid requests (bad JSON, wrong types, missing
+fields, bad values, prompts too long), 401 for a missing or wrong API key, 404 for
+an unknown model or route, 413 for a body over the size limit, 503 when the decode
+replicas are overloaded or unavailable (with `Retry-After`), 500 for anything
+unexpected (logged with its traceback). `param` names the field at fault, with
+list positions (`messages.2.content`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,7 +23,11 @@ from starlette.exceptions import HTTPException
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 503: "service_unavailable_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+# Seconds a client is asked to wait before retrying a 503.
+RETRY_AFTER_S = 1
+# Names pydantic gives the members of a union in an error location; they are not request fields.
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
 class APIError(Exception):
@@ -37,20 +44,32 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    problems, params = [], []
-    for error in exc.errors():
-        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+def _field_path(loc: Sequence[Any]) -> str:
+    """`messages.0.content` from pydantic's location, without the request-body root and union member names."""
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and (
+        "[" in p or p.lower() in _UNION_MEMBERS or p[:1].isupper()))]
+    return ".".join(parts)
+
+
+def invalid_request(errors: Sequence[dict[str, Any]]) -> APIError:
+    """The 400 for pydantic's validation errors: every distinct problem, the first field as `param`."""
+    problems: list[str] = []
+    params: list[str] = []
+    for error in errors:
         if error.get("type") == "json_invalid":
-            problems.append(f"the request body is not valid JSON ({error.get('ctx', {}).get('error', error['msg'])})")
+            reason = error.get("ctx", {}).get("error", error["msg"])
+            problems.append(f"the request body is not valid JSON ({reason})")
             continue
-        where = ".".join(loc) or "body"
+        where = _field_path(error.get("loc", ())) or "body"
         params.append(where)
-        problems.append(f"{where}: {error['msg']}")
-    return "; ".join(problems) or "invalid request", (params[0] if params else None)
+        problem = f"{where}: {error['msg'].removeprefix('Value error, ')}"
+        if problem not in problems:
+            problems.append(problem)
+    return APIError(400, "; ".join(problems[:5]) or "invalid request", params[0] if params else None)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -62,8 +81,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return error_response(400, message, param)
+        error = invalid_request(exc.errors())
+        return error_response(error.status, error.message, error.param)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:

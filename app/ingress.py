@@ -1,8 +1,9 @@
 """The ingress deployment: OpenAI requests in, decode replica streams out.
 
-Per request it checks the model name, renders the chat template and tokenizes
-(off the event loop), applies the admission limit, builds the sampling
-parameters, picks the affinity key, and calls a decode replica. It waits for the
+Per request it checks the model name, refuses parameters it cannot honour,
+renders the chat template, tokenizes and computes the affinity key (in a worker
+thread, off the event loop), applies the admission limit, builds the sampling
+parameters and calls a decode replica. It waits for the
 first chunk before answering, so refusals (400) and overload (503, from the
 decode deployment's `max_queued_requests`) get their status instead of a broken
 stream. When the client goes away, Serve cancels the handler and the decode call
@@ -16,7 +17,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -28,17 +28,20 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from app.api import build_api
-from app.config import AppConfig
+from app.config import AppConfig, ConfigError
 from app.errors import APIError
+from app.logs import log_cancellations_briefly, route_app_logs
 from app.messages import GenerateChunk, GenerateRequest
 from app.openai_models import ChatCompletionRequest, CompletionRequest, GenerationRequest, TokenizeRequest
 from engine.model_config import ModelConfig
 from engine.request import InvalidRequestError, SamplingParams
-from engine.tokenizer import ChatTemplateError, Tokenizer
+from engine.tokenizer import ChatTemplateError, TokenizationError, Tokenizer
 
 logger = logging.getLogger(__name__)
 
 _HEALTH_TIMEOUT_S = 10.0
+# Arguments of the renderer itself: chat_template_kwargs may not name them.
+_RENDER_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt"})
 
 
 class DecodeStream:
@@ -77,16 +80,30 @@ class DecodeStream:
 class OpenAIIngress:
     """Serves the OpenAI API; one per ingress replica."""
 
-    def __init__(self, config: AppConfig, decode: DeploymentHandle) -> None:
+    async def __init__(self, config: AppConfig, decode: DeploymentHandle) -> None:
+        route_app_logs()
+        log_cancellations_briefly(asyncio.get_running_loop())
         self.config = config
         self.model_id = config.model_id
         self.created = int(time.time())
         self.tokenizer = Tokenizer.from_dir(config.model.path)
         model_len = ModelConfig.from_dir(config.model.path).max_position_embeddings
         self.max_model_len = config.engine.max_model_len or model_len
-        self.api_key = config.api.api_key or os.environ.get(config.api.api_key_env) or None
+        self.max_body_bytes = config.api.body_limit(self.max_model_len)
+        # The digest carried in the args (key set where the app was built), else the key set here.
+        self.api_key_digest = config.api.key_digest()
+        self._log_key_policy()
         self._decode = decode
         self._generate = decode.options(method_name="generate", stream=True)
+
+    def _log_key_policy(self) -> None:
+        if self.api_key_digest is not None:
+            logger.info("%s: clients must send the API key (Authorization: Bearer KEY)", self.model_id)
+        elif self.config.api.require_api_key:
+            raise ConfigError(f"api.require_api_key is set but no key was found: set api.api_key_sha256, or "
+                              f"${self.config.api.api_key_env} where the app is built or the ingress runs")
+        else:
+            logger.warning("%s: no API key is set: every client that can connect is served", self.model_id)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_api(self)
@@ -109,8 +126,9 @@ class OpenAIIngress:
                            param, "context_length_exceeded")
 
     def _sampling(self, body: GenerationRequest, max_tokens: int | None) -> SamplingParams:
-        if body.n != 1:
-            raise APIError(400, "only n=1 is supported", "n")
+        refused = body.unsupported()
+        if refused is not None:
+            raise APIError(400, refused[1], refused[0])
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         try:
             return SamplingParams(
@@ -120,6 +138,13 @@ class OpenAIIngress:
             )
         except InvalidRequestError as exc:
             raise APIError(400, str(exc)) from None
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        """Prompt token ids must be ones the tokenizer can decode (what /detokenize accepts)."""
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {vocab}); got {bad[:5]}", param)
 
     # --- affinity -------------------------------------------------------------------
 
@@ -165,47 +190,60 @@ class OpenAIIngress:
 
     @staticmethod
     def _tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-        """The tools to render (None: no tools, or tool_choice 'none'); refuses what cannot be honoured."""
-        if body.logprobs:
-            raise APIError(400, "logprobs are not supported", "logprobs")
-        if body.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "only tool_choice 'auto' and 'none' are supported", "tool_choice")
+        """The tools to render (None: no tools, or tool_choice 'none')."""
         if not body.tools or body.tool_choice == "none":
             return None
         return [t.model_dump(exclude_none=True) for t in body.tools]
 
-    async def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of the conversation (runs in a worker thread); 400 naming the part at fault."""
+        clash = sorted(_RENDER_ARGUMENTS & set(template_kwargs or {}))
+        if clash:
+            raise APIError(400, f"chat_template_kwargs may not set {clash}: they are request fields",
+                           "chat_template_kwargs")
         try:
-            return await asyncio.to_thread(
-                self.tokenizer.encode_chat, messages, tools, add_generation_prompt, **(template_kwargs or {})
-            )
-        except ChatTemplateError as exc:
+            return self.tokenizer.encode_chat(messages, tools, add_generation_prompt, **(template_kwargs or {}))
+        except (ChatTemplateError, TokenizationError) as exc:
             raise APIError(400, str(exc), "messages") from None
-        except TypeError as exc:  # chat_template_kwargs naming an argument of the renderer
-            raise APIError(400, f"chat_template_kwargs: {exc}", "chat_template_kwargs") from None
+        except (TypeError, ValueError, LookupError) as exc:  # a template tripping over values it did not expect
+            raise APIError(400, f"the chat template cannot render these messages ({type(exc).__name__}: {exc})",
+                           "messages") from None
+
+    def _prepare_chat(self, body: ChatCompletionRequest, headers: Mapping[str, str]) -> tuple[list[int], str, bool]:
+        """Prompt ids, affinity key and whether tools are parsed: the heavy part, off the event loop."""
+        tools = self._tools(body)
+        messages = [m.for_template() for m in body.messages]
+        ids = self._render(messages, tools, True, body.chat_template_kwargs)
+        return ids, self._affinity_key(headers, self._chat_opening(messages, tools)), tools is not None
 
     async def chat(self, body: ChatCompletionRequest, headers: Mapping[str, str]) -> tuple[str, DecodeStream, bool]:
         """Starts a chat completion; the flag says whether tool calls are parsed from the output."""
         self.check_model(body.model)
         params = self._sampling(body, body.max_completion_tokens or body.max_tokens)
-        tools = self._tools(body)
-        ids = await self._render(body.messages, tools, True, body.chat_template_kwargs)
-        key = self._affinity_key(headers, self._chat_opening(body.messages, tools))
+        ids, key, parse_tools = await asyncio.to_thread(self._prepare_chat, body, dict(headers))
         request_id, stream = await self.start("chatcmpl", ids, params, key)
-        return request_id, stream, tools is not None
+        return request_id, stream, parse_tools
+
+    def _encode(self, text: str, param: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except TokenizationError as exc:
+            raise APIError(400, str(exc), param) from None
 
     async def completion(self, body: CompletionRequest, headers: Mapping[str, str]) -> tuple[str, DecodeStream]:
         self.check_model(body.model)
-        if body.echo or body.logprobs is not None or body.suffix:
-            raise APIError(400, "echo, logprobs and suffix are not supported")
         params = self._sampling(body, body.max_tokens)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise APIError(400, "one prompt per request is supported", "prompt")
             prompt = prompt[0]
-        ids = await asyncio.to_thread(self.tokenizer.encode, prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            ids = await asyncio.to_thread(self._encode, prompt, "prompt")
+        else:
+            ids = list(prompt)
+            self._check_ids(ids, "prompt")
         key = self._affinity_key(headers, ids[: self.config.routing.prefix_tokens])
         return await self.start("cmpl", ids, params, key)
 
@@ -214,14 +252,13 @@ class OpenAIIngress:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of prompt and messages")
         if body.prompt is not None:
-            return await asyncio.to_thread(self.tokenizer.encode, body.prompt)
+            return await asyncio.to_thread(self._encode, body.prompt, "prompt")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-        return await self._render(body.messages, tools, body.add_generation_prompt)
+        messages = [m.for_template() for m in body.messages]
+        return await asyncio.to_thread(self._render, messages, tools, body.add_generation_prompt)
 
     def detokenize(self, tokens: list[int]) -> str:
-        bad = [t for t in tokens if not 0 <= t < self.tokenizer.vocab_size]
-        if bad:
-            raise APIError(400, f"token ids must be in [0, {self.tokenizer.vocab_size}); got {bad[:5]}", "tokens")
+        self._check_ids(tokens, "tokens")
         return self.tokenizer.decode(tokens)
 
     async def healthy(self) -> bool:

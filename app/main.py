@@ -40,6 +40,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     )
     decode = decode_deployment.bind(config, prefill)
     ingress = serve.deployment(serve.ingress()(OpenAIIngress), name="OpenAIIngress")
-    logger.info("serving %s: %d decode, %d prefill replicas", config.model_id,
-                config.decode.num_replicas, config.prefill.num_replicas)
+    logger.info("serving %s: %d decode, %d prefill replicas; API key %s", config.model_id,
+                config.decode.num_replicas, config.prefill.num_replicas,
+                "required" if config.api.api_key_sha256 else "not set where the app is built")
     return ingress.options(**config.ingress.serve_options()).bind(config, decode)

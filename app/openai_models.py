@@ -1,20 +1,33 @@
 """OpenAI request bodies, validated by pydantic at the HTTP boundary.
 
-Fields OpenAI defines that this server does not use are accepted and ignored, so
-stock clients work; fields whose meaning it cannot honour (n > 1, logprobs,
-echo, forced tool choice) are refused with 400 by the ingress. `ignore_eos`
-and `top_k` are vLLM's extensions, sent through the client's `extra_body`.
+Validation is strict where OpenAI's API is typed: `"max_tokens": "10"` or
+`"stream": "yes"` is a 400 naming the field, not a silent coercion. Messages are
+typed by role, and every list a client controls has a bound (messages, stop
+strings, tools), so one body cannot make the ingress do unbounded work. Fields
+OpenAI defines that change nothing here (`user`, `store`, `metadata`,
+`parallel_tool_calls`, ...) are accepted and ignored, so stock clients work;
+fields whose meaning this server cannot honour (n > 1, logprobs, penalties,
+logit bias, a structured `response_format`, echo, forced tool choice) are
+refused with 400 by `unsupported` or the ingress. `ignore_eos` and `top_k` are
+vLLM's extensions, sent through the client's `extra_body`.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_MESSAGES = 4096
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_TOOLS = 512
+# torch.Generator takes any seed in [-2**63, 2**64): anything beyond is the client's mistake.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -30,15 +43,39 @@ class GenerationRequest(_Body):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int = Field(1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are accepted, got {len(stops)}")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
+        return stop
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """The first field set to something this server cannot honour, with the reason; None if all can be."""
+        if self.n != 1:
+            return "n", "only n=1 is supported"
+        if self.presence_penalty or self.frequency_penalty:
+            return ("presence_penalty" if self.presence_penalty else "frequency_penalty",
+                    "presence and frequency penalties are not supported")
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported"
+        return None
 
 
 class FunctionSpec(_Body):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
@@ -48,13 +85,68 @@ class ToolSpec(_Body):
     function: FunctionSpec
 
 
+class TextPart(_Body):
+    """A content part; only text parts exist for a text-only model."""
+
+    type: Literal["text"]
+    text: str
+
+
+class CalledFunction(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON string; an object is accepted too
+
+
+class AssistantToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+class ChatMessage(_Body):
+    """One turn of the conversation, typed by role."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @model_validator(mode="after")
+    def _content_by_role(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content (a string or a list of text parts)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only assistant messages carry tool calls")
+        return self
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as the chat template reads it (`developer` is OpenAI's newer name for `system`)."""
+        message = self.model_dump(exclude_none=True)
+        if self.role == "developer":
+            message["role"] = "system"
+        return message
+
+
 class ChatCompletionRequest(GenerationRequest):
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list[ToolSpec] | None = None
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs or self.top_logprobs is not None:
+            return ("logprobs" if self.logprobs else "top_logprobs"), "logprobs are not supported"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format", "only response_format {'type': 'text'} is supported (no JSON or schema mode)"
+        if self.tool_choice not in (None, "auto", "none"):
+            return "tool_choice", "only tool_choice 'auto' and 'none' are supported"
+        return super().unsupported()
 
 
 class CompletionRequest(GenerationRequest):
@@ -62,13 +154,22 @@ class CompletionRequest(GenerationRequest):
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        for name in ("echo", "logprobs", "suffix"):
+            if getattr(self, name):
+                return name, f"{name} is not supported"
+        if self.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+        return super().unsupported()
 
 
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    tools: list[ToolSpec] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
+    tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     add_generation_prompt: bool = True
 
 

@@ -177,7 +177,7 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
         ('{"model": "glm-tiny"}', 400, "messages"),
         ('{"model": "glm-tiny", "messages": [{"role": "user", "content": "x"}], "top_p": 0}', 400, "top_p"),
         ('{"model": "glm-tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}', 400, "n"),
-        ('{"model": "glm-tiny", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages"),
+        ('{"model": "glm-tiny", "messages": [{"role": "wizard", "content": "x"}]}', 400, "messages.0.role"),
         ('{"model": "nope", "messages": [{"role": "user", "content": "x"}]}', 404, "model"),
     ],
 )
