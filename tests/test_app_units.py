@@ -1,19 +1,25 @@
-"""The Serve application's parts without a cluster: config schema, GLM tool-call parsing, routing, response bodies."""
+"""The Serve application's parts without a cluster: config schema, GLM tool-call parsing, routing, response bodies,
+the API key's digest, the body limit and the replica logs."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import json
+import logging
 from pathlib import Path
 
 import pytest
 import yaml
+from ray.exceptions import TaskCancelledError
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
+from app.body_limit import BodyLimitMiddleware
 from app.config import AppConfig, ConfigError
 from app.decode import DecodeServer
+from app.logs import log_cancellations_briefly
 from app.main import build_app
 from app.messages import GenerateChunk, GenerateRequest
 from app.responses import ResponseMeta, collect_chat, stream_chat
@@ -237,3 +243,67 @@ def test_partial_sections_keep_their_own_defaults() -> None:
     config = AppConfig.from_args({"model": {"path": "x"}, "ingress": {"num_replicas": 2}, "prefill": {"num_cpus": 2}})
     assert config.ingress.num_cpus == 0 and config.ingress.max_ongoing_requests == 256
     assert config.prefill.num_replicas == 0 and config.decode.num_replicas == 1
+
+
+# --- API key, body limit, logs ----------------------------------------------------------------
+
+
+def test_api_key_travels_as_its_digest(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    digest = hashlib.sha256(b"s3cret").hexdigest()
+    monkeypatch.delenv("HISPARSE_API_KEY", raising=False)
+    assert AppConfig.from_args({"model": {"path": str(tiny_dir)}}).resolved().api.api_key_sha256 is None
+    monkeypatch.setenv("HISPARSE_API_KEY", "s3cret")  # set where the app is built
+    built = AppConfig.from_args({"model": {"path": str(tiny_dir)}}).resolved()
+    assert built.api.api_key_sha256 == digest and built.api.api_key is None
+    inline = AppConfig.from_args({"model": {"path": str(tiny_dir)}, "api": {"api_key": "other"}}).resolved()
+    assert inline.api.api_key is None and inline.api.api_key_sha256 == hashlib.sha256(b"other").hexdigest()
+    pinned = {"model": {"path": str(tiny_dir)}, "api": {"api_key_sha256": "ab" * 32}}
+    assert AppConfig.from_args(pinned).resolved().api.api_key_sha256 == "ab" * 32
+    with pytest.raises(ConfigError, match="api_key_sha256"):
+        AppConfig.from_args({"model": {"path": "x"}, "api": {"api_key_sha256": "not-hex"}})
+
+
+def _asgi_post(app: BodyLimitMiddleware, chunks: list[bytes], headers: list[tuple[bytes, bytes]]) -> list[dict]:
+    sent: list[dict] = []
+    pending = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+
+    async def receive() -> dict:
+        return pending.pop(0) if pending else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": headers}
+    asyncio.run(app(scope, receive, send))
+    return sent
+
+
+def test_body_limit_refuses_declared_and_streamed_bodies() -> None:
+    seen: list[bytes] = []
+
+    async def echo(scope: dict, receive, send) -> None:  # noqa: ANN001 - an ASGI app
+        seen.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    app = BodyLimitMiddleware(echo, max_bytes=1000)
+    declared = _asgi_post(app, [b"x" * 10], [(b"content-length", b"5000")])
+    assert declared[0]["status"] == 413 and json.loads(declared[1]["body"])["error"]["code"] == "request_too_large"
+    streamed = _asgi_post(app, [b"x" * 600, b"x" * 600], [])
+    assert streamed[0]["status"] == 413 and not seen
+    assert _asgi_post(app, [b"a" * 500, b"b" * 500], [])[0]["status"] == 200
+    assert seen == [b"a" * 500 + b"b" * 500]  # replayed whole to the route
+
+
+def test_cancelled_ray_tasks_are_logged_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        log_cancellations_briefly(loop)
+        with caplog.at_level(logging.INFO):
+            loop.call_exception_handler({"message": "Task exception was never retrieved",
+                                         "exception": TaskCancelledError()})
+            loop.call_exception_handler({"message": "boom", "exception": RuntimeError("real failure")})
+    finally:
+        loop.close()
+    cancelled = [r for r in caplog.records if "cancelled" in r.getMessage()]
+    assert len(cancelled) == 1 and cancelled[0].exc_info is None and cancelled[0].levelno == logging.INFO
+    assert any(r.levelno == logging.ERROR and r.exc_info for r in caplog.records)  # others keep their report
