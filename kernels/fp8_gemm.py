@@ -1,0 +1,444 @@
+"""Block-scaled FP8 GEMM for linear layers with FP8 checkpoint weights (DeepSeek-V3 / GLM-5 format).
+
+Weights are `weight` [N, K] float8_e4m3fn with `weight_scale_inv` [ceil(N/128),
+ceil(K/128)] float32: W[n, k] = weight[n, k] * weight_scale_inv[n // 128, k // 128]
+(edge blocks may be partial). Activations are quantised per token and per
+128-column group (DeepSeek's recipe):
+
+    s[m, g] = amax_g |x[m, :]| / 448            (IEEE division; an all-zero group gets s = 1)
+    q[m, k] = e4m3(clamp(x[m, k] / s[m, k // 128], -448, 448))   (IEEE division, round to nearest even)
+
+and `fp8_block_linear` computes, with float32 accumulation,
+
+    out[m, n] = sum_g s[m, g] * ws[n // 128, g] * sum_{k in g} q[m, k] * weight[n, k]
+
+written in out_dtype. The twin `fp8_block_linear_ref` dequantises both operands
+(same quantised activations, bit for bit) and runs one float32 matmul, so kernel
+and twin differ by float32 rounding only (on an H200, plus the tensor core's
+reduced-precision accumulation inside each 128-deep fp8 dot, as in DeepSeek's
+and Triton's fp8 GEMMs).
+
+One launch shape per problem (`FP8GemmConfig.for_problem`):
+- small M (decode): the weight is streamed once, so the GEMM is memory-bound on
+  weight bytes. `swap_ab` computes out^T = W x^T so weight rows fill the MMA's
+  M side and the few tokens its N side; `fuse_quant` quantises each x tile inside
+  the GEMM (no separate launch); `split_k` cuts K into ranges so enough programs
+  fill the GPU, their float32 partials summed in a fixed order by a second small
+  launch (deterministic).
+- large M (prefill): x is quantised once by `quantize_activations`, then a tiled
+  fp8 GEMM with an L2-friendly program order (128x128 tiles, smaller ones or a
+  split when that leaves fewer programs than SMs).
+Defaults: M <= 16 fused, swapped, 16-token tiles; M <= 32 swapped, 32-token
+tiles; M <= 128 64x64 or 64x128 tiles; all with split-K up to about two
+programs per SM while float32 partials stay under half the weight bytes.
+
+fp32 -> fp8 rounding: under the Triton interpreter `.to(tl.float8e4nv)` does not
+round to nearest even (ties go away from zero, subnormals are truncated), so the
+interpreter rounds in integer arithmetic (`_e4m3_bits`); on the GPU the hardware
+conversion (cvt.rn.satfinite) is used unless `HW_FP8_CVT` is False. fp8 loads
+and `tl.dot` on fp8 operands are exact under the interpreter (it decodes e4m3 to
+fp16 and multiplies in float32), so no upcast path is needed there.
+
+No host synchronisation; shapes depend only on tensor shapes (CUDA-graph
+capturable). NaN / Inf inputs are out of scope.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+HW_FP8_CVT = True  # GPU: fp32 -> e4m3 by the hardware conversion; False: integer rounding (as the interpreter)
+
+_IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DEFAULT_SMS = 132  # H200; used off-GPU (interpreter) so configs match the GPU's
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _soft_cvt() -> bool:
+    return _interpreting() or not HW_FP8_CVT
+
+
+@dataclass(frozen=True)
+class FP8GemmConfig:
+    """Tile shapes of one `fp8_block_linear` launch (K tiles are always FP8_BLOCK wide)."""
+
+    block_m: int = 64  # tokens per tile (>= 16)
+    block_n: int = 128  # weight rows (output columns) per tile (>= 16)
+    split_k: int = 1  # K ranges per tile; > 1 adds a reduction launch over float32 partials
+    fuse_quant: bool = False  # quantise x tiles inside the GEMM (else one quantize_activations launch first)
+    swap_ab: bool = False  # out^T = W x^T: weight rows on the MMA's M side (small M)
+    group_m: int = 8  # M tiles per group of the L2-friendly program order
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @classmethod
+    def for_problem(cls, m: int, n: int, k: int, num_sms: int = _DEFAULT_SMS) -> "FP8GemmConfig":
+        """Default tiles for out[m, n] = x[m, k] W[n, k]^T. Not yet tuned on an H200 (bench/fp8_gemm.py
+        times candidates next to these): decode shapes aim for about two programs per SM."""
+        if m > 128:  # prefill: compute-bound; the largest tiles that still give a program per SM
+            for bm, bn, warps in ((128, 128, 8), (64, 128, 4), (64, 64, 4)):
+                tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+                if tiles >= num_sms:
+                    return cls(block_m=bm, block_n=bn, num_warps=warps, num_stages=3)
+            kb = triton.cdiv(k, FP8_BLOCK)
+            split = max(1, min(triton.cdiv(num_sms, tiles), kb // 4))  # few tiles (small N): split K too
+            return cls(block_m=64, block_n=64, split_k=triton.cdiv(kb, triton.cdiv(kb, split)), num_stages=3)
+        if m <= 16:  # quantising x in every weight tile costs ALU in proportion to block_m / block_n
+            block_m, fuse, swap = 16, True, True
+        elif m <= 32:
+            block_m, fuse, swap = 32, False, True
+        else:
+            block_m, fuse, swap = 64, False, False
+        # 128-row weight tiles unless that leaves too few programs even at the largest split
+        wide = triton.cdiv(m, block_m) * triton.cdiv(n, 128) * cls.max_split(m, k) >= 2 * num_sms
+        block_n = 128 if wide else 64
+        return cls(block_m=block_m, block_n=block_n, split_k=cls.split_for(m, n, k, block_m, block_n, num_sms),
+                   fuse_quant=fuse, swap_ab=swap, num_warps=4, num_stages=4)
+
+    @staticmethod
+    def max_split(m: int, k: int) -> int:
+        """At least two K blocks per range, and float32 partials (written and read back) at most half
+        the weight bytes: split * m * n * 8 <= n * k / 2."""
+        return max(1, min(triton.cdiv(k, FP8_BLOCK) // 2, k // (16 * m)))
+
+    @classmethod
+    def split_for(cls, m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int = _DEFAULT_SMS) -> int:
+        """K ranges so that tiles x ranges reach about two programs per SM (no empty ranges)."""
+        kb = triton.cdiv(k, FP8_BLOCK)
+        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+        split = max(1, min(triton.cdiv(2 * num_sms, tiles), cls.max_split(m, k)))
+        return triton.cdiv(kb, triton.cdiv(kb, split))
+
+
+# --- PyTorch twins and helpers -------------------------------------------------------------
+
+
+def _blocks(n: int) -> int:
+    return triton.cdiv(n, FP8_BLOCK)
+
+
+def _safe_scale(amax: torch.Tensor) -> torch.Tensor:
+    """amax / 448 by IEEE division (a tensor divisor: CUDA multiplies by the reciprocal of a Python
+    scalar), 1 where amax is 0."""
+    return torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+
+
+def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> (q [M, K] float8_e4m3fn, scales [M, ceil(K/128)] float32)."""
+    m, k = x.shape
+    nb = _blocks(k)
+    xp = torch.nn.functional.pad(x.float(), (0, nb * FP8_BLOCK - k)).reshape(m, nb, FP8_BLOCK)
+    scale = _safe_scale(xp.abs().amax(dim=-1))
+    q = (xp / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(m, nb * FP8_BLOCK)[:, :k].contiguous(), scale
+
+
+def quantize_weight_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (weight [N, K] float8_e4m3fn, weight_scale_inv [ceil(N/128), ceil(K/128)] float32),
+    one scale (block amax / 448) per 128x128 block."""
+    if w.dim() != 2 or not w.is_floating_point():
+        raise ValueError(f"w must be a float [N, K] tensor, got {tuple(w.shape)} {w.dtype}")
+    n, k = w.shape
+    bn, bk = _blocks(n), _blocks(k)
+    wp = torch.nn.functional.pad(w.float(), (0, bk * FP8_BLOCK - k, 0, bn * FP8_BLOCK - n))
+    blocks = wp.reshape(bn, FP8_BLOCK, bk, FP8_BLOCK)
+    scale = _safe_scale(blocks.abs().amax(dim=(1, 3)))
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(bn * FP8_BLOCK, bk * FP8_BLOCK)[:n, :k].contiguous(), scale
+
+
+def dequantize_weight_blocks(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] fp8 with block scales -> [N, K] float32."""
+    n, k = weight.shape
+    s = weight_scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    return weight.float() * s
+
+
+def _dequantize_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(FP8_BLOCK, 1)[:, : q.shape[1]]
+
+
+def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                         out_dtype: torch.dtype | None = None, *, config: FP8GemmConfig | None = None) -> torch.Tensor:
+    """Plain PyTorch twin: quantise x with `quantize_activations_ref`, dequantise both operands, one
+    float32 matmul (TF32 off for the call); `config` is ignored."""
+    _check(x, weight, weight_scale_inv, out_dtype or x.dtype, kernel=False)
+    k = x.shape[-1]
+    q, s = quantize_activations_ref(x.reshape(-1, k))
+    a = _dequantize_activations(q, s)
+    w = dequantize_weight_blocks(weight, weight_scale_inv)
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        out = a @ w.T
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    return out.to(out_dtype or x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+# --- Triton kernels ------------------------------------------------------------------------
+
+
+@triton.jit
+def _e4m3_bits(q):
+    """fp32 in [-448, 448] -> e4m3fn code (uint32), round to nearest even (as torch's conversion)."""
+    bits = q.to(tl.uint32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    exp = mag >> 23
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960  # keep 3 mantissa bits; rebias 127 -> 7
+    shift = tl.minimum(141 - tl.minimum(exp, 120), 31)  # subnormal: |q| * 2^9 rounded to an integer
+    mant = (mag & 0x7FFFFF) | 0x800000
+    whole = mant >> shift
+    rest = mant & ((1 << shift) - 1)
+    half = 1 << (shift - 1)
+    up = (rest > half) | ((rest == half) & ((whole & 1) == 1))
+    sub = whole + up.to(tl.uint32)
+    return tl.where(exp >= 121, normal, sub) | sign
+
+
+@triton.jit
+def _quantize_groups(x, SOFT_CVT: tl.constexpr):
+    """x [R, 128] float32, one quantisation group per row -> (q [R, 128] fp8e4nv, scales [R] float32)."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+    y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if SOFT_CVT:
+        q = _e4m3_bits(y).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    else:
+        q = y.to(tl.float8e4nv)
+    return q, scale
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm, stride_sm,
+                      GROUPS: tl.constexpr, SOFT_CVT: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    col = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    mask = col < K
+    x = tl.load(x_ptr + m * stride_xm + col, mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quantize_groups(x, SOFT_CVT)
+    tl.store(q_ptr + m * stride_qm + col, q, mask=mask)
+    tl.store(s_ptr + m * stride_sm + g, scale, mask=g < num_groups)
+
+
+# M changes from step to step: not specialised on, so a new batch size reuses the compiled kernel.
+@triton.jit(do_not_specialize=["M", "kb_per_split"])
+def _fp8_gemm_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr,
+    M, N, K, kb_per_split,
+    stride_am, stride_asm, stride_wn, stride_wsn, stride_wsk, stride_cs, stride_cm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, FUSE_QUANT: tl.constexpr,
+    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SOFT_CVT: tl.constexpr,
+):
+    BLOCK_K: tl.constexpr = 128
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M consecutive M tiles share the weight tiles they read (L2 reuse).
+    in_group = GROUP_M * num_pid_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask = offs_m < M
+    nmask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    as_rows = as_ptr + offs_m.to(tl.int64) * stride_asm
+    ws_rows = ws_ptr + (offs_n // 128) * stride_wsn
+
+    num_kb = tl.cdiv(K, BLOCK_K)
+    kb0 = split * kb_per_split
+    kb1 = tl.minimum(kb0 + kb_per_split, num_kb)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(kb0, kb1):
+        k0 = kb * BLOCK_K
+        if EVEN_K:
+            amask = mmask[:, None]
+            wmask = nmask[:, None]
+        else:
+            kmask = (k0 + offs_k) < K
+            amask = mmask[:, None] & kmask[None, :]
+            wmask = nmask[:, None] & kmask[None, :]
+        w = tl.load(w_rows + k0, mask=wmask, other=0.0)  # [BLOCK_N, BLOCK_K] fp8
+        ws = tl.load(ws_rows + kb * stride_wsk, mask=nmask, other=0.0)
+        if FUSE_QUANT:
+            x = tl.load(a_rows + k0, mask=amask, other=0.0).to(tl.float32)
+            a, a_s = _quantize_groups(x, SOFT_CVT)
+        else:
+            a = tl.load(a_rows + k0, mask=amask, other=0.0)
+            a_s = tl.load(as_rows + kb, mask=mmask, other=0.0)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(a)) * (ws[:, None] * a_s[None, :])
+        else:
+            acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws[None, :])
+
+    c_base = c_ptr + split.to(tl.int64) * stride_cs
+    if SWAP_AB:
+        c_ptrs = c_base + offs_m.to(tl.int64)[None, :] * stride_cm + offs_n[:, None]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+    else:
+        c_ptrs = c_base + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "splits"])
+def _splitk_sum_kernel(p_ptr, c_ptr, M, N, splits, stride_ps, stride_cm, BLOCK: tl.constexpr):
+    """out[m, n] = sum over s = 0..splits-1, in order, of partial[s, m, n]."""
+    m = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    src = p_ptr + m * N + offs
+    acc = tl.load(src, mask=mask, other=0.0)
+    for s in range(1, splits):
+        acc += tl.load(src + s * stride_ps, mask=mask, other=0.0)
+    tl.store(c_ptr + m * stride_cm + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+# --- launchers -----------------------------------------------------------------------------
+
+
+def _check_x(x: torch.Tensor, kernel: bool) -> None:
+    if x.dtype not in _IN_DTYPES or x.dim() < 1:
+        raise ValueError(f"x must be a bf16/fp16/fp32 tensor [..., K], got {tuple(x.shape)} {x.dtype}")
+    if x.shape[-1] == 0:
+        raise ValueError("x must have K >= 1 columns")
+    if kernel and x.stride(-1) != 1:
+        raise ValueError(f"x must have unit last stride, got strides {x.stride()}")
+    if kernel and x.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"x is on {x.device}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)")
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor, out_dtype: torch.dtype,
+           kernel: bool = True) -> None:
+    _check_x(x, kernel)
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+        raise ValueError(f"weight must be float8_e4m3fn [N, K], got {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    if k != x.shape[-1] or n == 0:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match x [..., {x.shape[-1]}] (need [N >= 1, K])")
+    if kernel and not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+    want = (_blocks(n), _blocks(k))
+    if weight_scale_inv.dtype != torch.float32 or tuple(weight_scale_inv.shape) != want:
+        raise ValueError(f"weight_scale_inv must be float32 {list(want)} (one per 128x128 block of weight "
+                         f"[{n}, {k}]), got {tuple(weight_scale_inv.shape)} {weight_scale_inv.dtype}")
+    if out_dtype not in _IN_DTYPES:
+        raise ValueError(f"out_dtype must be one of bf16/fp16/fp32, got {out_dtype}")
+    if len({x.device, weight.device, weight_scale_inv.device}) != 1:
+        raise ValueError("x, weight and weight_scale_inv must share a device")
+
+
+def _check_config(cfg: FP8GemmConfig) -> None:
+    for v, name in ((cfg.block_m, "block_m"), (cfg.block_n, "block_n")):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    if cfg.split_k < 1 or cfg.group_m < 1:
+        raise ValueError(f"split_k and group_m must be >= 1, got {cfg}")
+
+
+@functools.lru_cache(maxsize=None)
+def _sms_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    return _sms_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_config(m: int, n: int, k: int, num_sms: int) -> FP8GemmConfig:
+    return FP8GemmConfig.for_problem(m, n, k, num_sms)
+
+
+def _quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
+    m, k = x.shape
+    nb = _blocks(k)
+    groups = min(8, triton.next_power_of_2(nb))
+    _quant_act_kernel[(m, triton.cdiv(nb, groups))](
+        x, q, s, k, nb, x.stride(0), q.stride(0), s.stride(0), GROUPS=groups, SOFT_CVT=_soft_cvt(), num_warps=4,
+    )
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton: x [M, K] float -> (q [M, K] float8_e4m3fn, scales [M, ceil(K/128)] float32), per token and
+    128-column group (see the module docstring); equal to `quantize_activations_ref` bit for bit."""
+    _check_x(x, kernel=True)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got {tuple(x.shape)}")
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, _blocks(k)), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_into(x, q, s)
+    return q, s
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                     out_dtype: torch.dtype | None = None, *, config: FP8GemmConfig | None = None) -> torch.Tensor:
+    """Triton: x [..., K] @ dequant(weight [N, K])^T -> [..., N] in out_dtype (default x.dtype), x
+    quantised per token and 128-column group on the fly, float32 accumulation."""
+    out_dtype = out_dtype or x.dtype
+    _check(x, weight, weight_scale_inv, out_dtype)
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    cfg = config or _default_config(m, n, k, _num_sms(x.device))
+    _check_config(cfg)
+    soft = _soft_cvt()
+    if cfg.fuse_quant:
+        a, a_s = x2, x2  # a_s unused
+    else:
+        a, a_s = quantize_activations(x2)
+    nb = _blocks(k)
+    kb_per_split = triton.cdiv(nb, cfg.split_k)
+    splits = triton.cdiv(nb, kb_per_split)
+    if splits > 1:
+        dest = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        stride_cs, stride_cm = dest.stride(0), dest.stride(1)
+    else:
+        dest, stride_cs, stride_cm = out, 0, out.stride(0)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
+    _fp8_gemm_kernel[grid](
+        a, a_s, weight, weight_scale_inv, dest,
+        m, n, k, kb_per_split,
+        a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
+        stride_cs, stride_cm,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, FUSE_QUANT=cfg.fuse_quant,
+        SWAP_AB=cfg.swap_ab, EVEN_K=k % FP8_BLOCK == 0, SOFT_CVT=soft,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _splitk_sum_kernel[(m, triton.cdiv(n, block))](
+            dest, out, m, n, splits, dest.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+        )
+    return out.reshape(*lead, n)
