@@ -1,0 +1,291 @@
+"""Benchmark of the fused MoE (`kernels/fused_moe.py`) on one GPU at GLM-5.3 TP8 shapes.
+
+Routed experts of one rank: H = 6144, I = 2048 / 8 = 256, E = 256, k = 8, bf16
+activations; bf16 and fp8 (128x128 block-scaled) weights; T = 1, 8, 32, 64, 128
+tokens (decode) with random routing (top-k of random scores: k distinct experts
+per token). For each case: the distinct experts touched (mean over the routings),
+their weight bytes (plus scales), the median time per call of a CUDA graph
+replaying fused_moe over 16 routings and 4 layers' weights in turn (so repeats
+are not served from L2), bytes / time in GB/s and its share of the HBM copy
+bandwidth measured in the same run (device-to-device copy, bytes read plus
+written); the eager time of one call (triton.testing.do_bench, L2 flushed), the
+time of moe_align alone (graph), and the engine's former loop over
+`ids.unique().tolist()` (per-expert F.linear SwiGLU and index_add_; for fp8
+weights per-expert `fp8_block_linear`), eager, for comparison.
+`FusedMoEConfig.for_problem` gives the default tiles; with `--sweep` other tile
+configurations are timed too and the best is shown next to the default (to
+retune `for_problem`; a summary of the best tiles per T is printed last).
+Prints a table last and writes it, with the full log, under $OUT (or bench/out).
+
+    python bench/fused_moe.py [--sweep] [--tokens 1,8,32,64,128] [--formats bf16,fp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+from kernels.fp8_gemm import fp8_block_linear, quantize_weight_blocks  # noqa: E402
+from kernels.fused_moe import FusedMoEConfig, fused_moe, moe_align  # noqa: E402
+
+H, I, E, K = 6144, 256, 256, 8
+TOKENS = (1, 8, 32, 64, 128)
+LAYERS = 4  # weight sets rotated in the timed graph (2.4 GB bf16 / 1.2 GB fp8 each, far beyond the 50 MB L2)
+ROUTINGS = 16  # calls per timed graph, each with its own routing
+WDTYPE = {False: torch.bfloat16, True: torch.float8_e4m3fn}
+
+OUT_DIR = Path(os.environ.get("OUT") or Path(__file__).parent / "out")
+LOG: list[str] = []
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+    LOG.append(msg)
+    if OUT_DIR.is_dir():  # written as it goes, so a run cut short still leaves its log
+        with open(OUT_DIR / "fused_moe.log", "a") as f:
+            f.write(msg + "\n")
+
+
+def bench_graph(fns: list, iters: int = 10) -> float:
+    """Median milliseconds per call of the calls in `fns`, captured in one CUDA graph (no launch gaps)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times) / len(fns)
+
+
+def bench(fn, rep: int = 100) -> float:
+    """Median milliseconds of fn, L2 flushed between runs."""
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def hbm_copy_gbs() -> float:
+    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    gbs = 2 * src.numel() / bench(lambda: dst.copy_(src)) / 1e6
+    del src, dst
+    torch.cuda.empty_cache()
+    return gbs
+
+
+def make_layer(fmt: str, seed: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=gen) * I**-0.5).to(torch.bfloat16)
+    if fmt == "bf16":
+        return dict(w13=w13, w2=w2)
+    q13, s13 = quantize_weight_blocks(w13.reshape(E * 2 * I, H))
+    q2, s2 = quantize_weight_blocks(w2.reshape(E * H, I))
+    del w13, w2
+    torch.cuda.empty_cache()
+    return dict(w13=q13.reshape(E, 2 * I, H), w2=q2.reshape(E, H, I),
+                w13_scale_inv=s13.reshape(E, 2 * I // 128, H // 128), w2_scale_inv=s2.reshape(E, H // 128, I // 128))
+
+
+def expert_bytes(fmt: str) -> int:
+    """Bytes one expert's weights occupy (what a call reads per touched expert)."""
+    if fmt == "bf16":
+        return 3 * H * I * 2
+    return 3 * H * I + (2 * I // 128 * H // 128 + H // 128 * I // 128) * 4
+
+
+def routing(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    vals, ids = torch.rand(t, E, device="cuda", generator=gen).topk(K, dim=1)
+    return (vals / vals.sum(1, keepdim=True) * 2.5).float(), ids
+
+
+def old_loop(x: torch.Tensor, w: dict, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The engine's former MoE: one host sync, then per touched expert a SwiGLU MLP and index_add_."""
+    out = torch.zeros_like(x)
+    fp8 = "w13_scale_inv" in w
+    for e in ids.unique().tolist():
+        token_idx, slot = torch.where(ids == e)
+        xe = x[token_idx]
+        if fp8:
+            gu = fp8_block_linear(xe, w["w13"][e], w["w13_scale_inv"][e])
+            y = fp8_block_linear(F.silu(gu[:, :I]) * gu[:, I:], w["w2"][e], w["w2_scale_inv"][e])
+        else:
+            w13 = w["w13"][e]
+            y = F.linear(F.silu(F.linear(xe, w13[:I])) * F.linear(xe, w13[I:]), w["w2"][e])
+        out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(out.dtype))
+    return out
+
+
+def cfg_name(c: FusedMoEConfig) -> str:
+    return (f"m{c.block_m}n{c.block_n}k{c.block_k}w{c.num_warps}s{c.num_stages}"
+            f"/n{c.block_n_down}k{c.block_k_down}w{c.num_warps_down}s{c.num_stages_down}" + ("t" if c.swap_ab else ""))
+
+
+def candidates(t: int, fp8: bool) -> list[FusedMoEConfig]:
+    """The default, then other tile shapes (decode: 16-row blocks; gate/up and down widths, swapped operands)."""
+    out = [FusedMoEConfig.for_problem(t, K, E, weight_dtype=WDTYPE[fp8])]
+    for bn in (16, 32, 64, 128):
+        for bnd in (64, 128, 256):
+            for swap in (False, True):
+                c = FusedMoEConfig(block_m=16, block_n=bn, block_n_down=bnd, swap_ab=swap)
+                if c not in out:
+                    out.append(c)
+    for bn, stages in ((16, 6), (16, 8), (32, 6), (32, 8)):  # deeper pipelines: more weight bytes in flight
+        c = FusedMoEConfig(block_m=16, block_n=bn, num_stages=stages)
+        if c not in out:
+            out.append(c)
+    if t * K >= 4 * E:
+        out.append(FusedMoEConfig(block_m=32, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3))
+    return out
+
+
+def variants(best: FusedMoEConfig, fp8: bool) -> list[FusedMoEConfig]:
+    out = [best]
+    rep = dataclasses.replace
+    for stages in (3, 5, 6, 8):
+        out.append(rep(best, num_stages=stages, num_stages_down=stages))
+    out.append(rep(best, num_warps=8, num_warps_down=8))
+    out.append(rep(best, num_warps=8))
+    out.append(rep(best, num_warps_down=8))
+    if not fp8:
+        out += [rep(best, block_k=64, block_k_down=64), rep(best, block_k=256, num_stages=3)]
+    return [c for i, c in enumerate(out) if c not in out[:i]]
+
+
+def pick(label: str, cands: list, time_of) -> tuple[FusedMoEConfig, float] | None:
+    timings = []
+    for cfg in cands:
+        try:
+            timings.append((time_of(cfg), cfg))
+            log(f"  {label} {cfg_name(cfg)}: {timings[-1][0] * 1e3:.1f} us")
+        except Exception as exc:  # a config that does not compile or fit is skipped
+            log(f"  {label} {cfg_name(cfg)}: failed {type(exc).__name__}: {str(exc)[:200]}")
+            torch.cuda.synchronize()
+    if not timings:
+        return None
+    ms, cfg = min(timings, key=lambda v: v[0])
+    return cfg, ms
+
+
+def run_format(fmt: str, tokens, hbm: float, sweep: bool, rows: list) -> None:
+    log(f"building {LAYERS} layers of {fmt} experts")
+    layers = [make_layer(fmt, seed) for seed in range(LAYERS)]
+    fp8 = fmt == "fp8"
+    per_expert = expert_bytes(fmt)
+    for t in tokens:
+        routs = [routing(t, 1000 * t + r) for r in range(ROUTINGS)]
+        distinct = statistics.mean(ids.unique().numel() for _, ids in routs)
+        nbytes = distinct * per_expert
+        x = torch.randn(t, H, device="cuda").to(torch.bfloat16)
+        out = torch.empty_like(x)
+
+        def calls(cfg, x=x, out=out, routs=routs):
+            return [lambda w=layers[r % LAYERS], tw=tw, ids=ids: fused_moe(x, topk_weights=tw, topk_ids=ids, out=out,
+                                                                          config=cfg, **w)
+                    for r, (tw, ids) in enumerate(routs)]
+
+        default = FusedMoEConfig.for_problem(t, K, E, weight_dtype=WDTYPE[fp8])
+        label = f"{fmt} T={t}"
+        ms = bench_graph(calls(default))
+        best, best_ms = default, ms
+        if sweep:
+            found = pick(label, candidates(t, fp8), lambda c: bench_graph(calls(c)))
+            if found is not None:
+                found = pick(label, variants(found[0], fp8), lambda c: bench_graph(calls(c)))
+            if found is not None and found[1] < best_ms:
+                best, best_ms = found
+        tw0, ids0 = routs[0]
+        eager_ms = bench(lambda: fused_moe(x, topk_weights=tw0, topk_ids=ids0, out=out, **layers[0]))
+        align_ms = bench_graph([lambda ids=ids: moe_align(ids, E, default.block_m) for _, ids in routs])
+        old_ms = bench(lambda: old_loop(x, layers[0], tw0, ids0), rep=50)
+        gbs = nbytes / ms / 1e6
+        rows.append(dict(fmt=fmt, T=t, experts=distinct, MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm,
+                         cfg=cfg_name(default), best_us=best_ms * 1e3, best_cfg=cfg_name(best),
+                         best_hbm=nbytes / best_ms / 1e6 / hbm, eager_us=eager_ms * 1e3, align_us=align_ms * 1e3,
+                         old_us=old_ms * 1e3, speedup=old_ms / ms))
+        log(fmt_row(cells(rows[-1])))
+    del layers
+    torch.cuda.empty_cache()
+
+
+def fmt_row(c) -> str:
+    return "| " + " | ".join(str(x) for x in c) + " |"
+
+
+HEADER = ["weights", "T", "distinct experts", "MB touched", "us (graph)", "GB/s", "of HBM copy", "default tiles",
+          "best us", "best of HBM copy", "best tiles", "eager us", "moe_align us", "old loop us", "speed-up vs old"]
+
+
+def cells(r: dict) -> list:
+    return [r["fmt"], r["T"], f"{r['experts']:.1f}", f"{r['MB']:.1f}", f"{r['us']:.1f}", f"{r['gbs']:.0f}",
+            f"{100 * r['hbm']:.0f}%", r["cfg"], f"{r['best_us']:.1f}", f"{100 * r['best_hbm']:.0f}%", r["best_cfg"],
+            f"{r['eager_us']:.1f}", f"{r['align_us']:.1f}", f"{r['old_us']:.0f}", f"{r['speedup']:.1f}x"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts")
+    ap.add_argument("--formats", default="bf16,fp8", help="comma-separated weight formats (bf16, fp8)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("SKIP: no CUDA device")
+        return 0
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    (OUT_DIR / "fused_moe.log").write_text("")
+    torch.manual_seed(0)
+    start = time.time()
+    props = torch.cuda.get_device_properties(0)
+    log(f"device {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
+        f"triton {triton.__version__}")
+    hbm = hbm_copy_gbs()
+    log(f"HBM device-to-device copy (read + write): {hbm:.0f} GB/s")
+    tokens = [int(v) for v in args.tokens.split(",")]
+    rows: list[dict] = []
+    for fmt in args.formats.split(","):
+        try:
+            run_format(fmt, tokens, hbm, args.sweep, rows)
+        except Exception as exc:
+            log(f"{fmt} stopped: {type(exc).__name__}: {exc}")
+            torch.cuda.empty_cache()
+    table = [f"GLM-5.3 TP8 routed experts (H={H}, I={I}, E={E}, k={K}); HBM copy bandwidth in this run: "
+             f"{hbm:.0f} GB/s; touched experts' weight bytes / time against it; {time.time() - start:.0f} s",
+             "", fmt_row(HEADER), fmt_row(["---"] * len(HEADER))] + [fmt_row(cells(r)) for r in rows]
+    if args.sweep:
+        table += ["", "best tiles per case (for FusedMoEConfig.for_problem):"]
+        table += [f"  {r['fmt']} T={r['T']}: {r['best_cfg']} ({r['best_us']:.1f} us, default {r['us']:.1f} us)"
+                  for r in rows]
+    print("\n".join(table), flush=True)
+    (OUT_DIR / "fused_moe.md").write_text("\n".join(table) + "\n")
+    (OUT_DIR / "fused_moe.json").write_text(json.dumps(dict(hbm_gbs=hbm, rows=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,607 @@
+"""Fused MoE: routed experts of one layer as two grouped-GEMM launches.
+
+Weights are stacked per layer: `w13` [E, 2I, H] (each expert's I gate rows then
+its I up rows) and `w2` [E, H, I]. For token t and its k routing slots:
+
+    out[t] = sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t])
+    expert(v) = w2 @ (silu(w13_gate @ v) * (w13_up @ v))
+
+Ids outside [0, E) contribute nothing (a rank that does not hold an expert can
+pass -1). Weight formats:
+- bf16 / fp16 / fp32: the dots run in the weights' dtype (x and the
+  intermediate are converted to it), float32 accumulation; IEEE float32 dots
+  for float32 weights.
+- float8_e4m3fn with 128x128 block scales `w13_scale_inv` [E, ceil(2I/128),
+  ceil(H/128)] and `w2_scale_inv` [E, ceil(H/128), I/128] (I % 128 == 0, so no
+  block mixes gate and up rows): x, and the intermediate before the down
+  projection, are quantised per token and 128-column group exactly as
+  `kernels.fp8_gemm.quantize_activations_ref` does (inside the GEMM tiles, no
+  extra launch), fp8 `tl.dot` per 128-deep K block, and the two scales multiply
+  each block's float32 partial (DeepSeek's recipe).
+The intermediate silu(gate) * up is rounded to x.dtype, each slot's weighted
+down projection is rounded to x.dtype, and the k slots of a token are summed in
+float32 in slot order (deterministic), then written in x.dtype.
+
+Launches (`fused_moe`):
+1. `moe_align`: token slots s = t*k + j grouped by expert, each expert's run
+   padded to a multiple of BLOCK_M with the sentinel T*k (one Triton launch for
+   T*k <= 128, else a count launch and a scatter launch; stable: slots ascend
+   within an expert).
+2. gate/up: one program per (block of BLOCK_M sorted slots, BLOCK_N columns of
+   I); it reads the block's expert, gathers the token rows, multiplies by the
+   gate and up tiles of that expert and writes silu(gate) * up [max_padded, I].
+3. down: one program per (block, BLOCK_N columns of H); multiplies by the
+   routing weight and writes each slot's row of [T*k, H].
+4. a sum over the k slots of each token into out [T, H].
+No host synchronisation; every shape depends only on (T, k, E, H, I), never on
+the routing: the whole call is CUDA-graph capturable.
+
+Contents: the PyTorch twins `moe_align_ref` / `fused_moe_ref`, the Triton
+kernels, and the launchers `moe_align` / `fused_moe`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.fp8_gemm import (
+    FP8_BLOCK,
+    _interpreting,
+    _quantize_groups,
+    _soft_cvt,
+    dequantize_weight_blocks,
+    quantize_activations_ref,
+)
+
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_W_DTYPES = _ACT_DTYPES + (torch.float8_e4m3fn,)
+_ID_DTYPES = (torch.int32, torch.int64)
+_COMPUTE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+ALIGN_CHUNK = 128  # slots per program of the alignment launches (one program, one launch, up to this many)
+_MAX_GRID_Y = 65535
+
+
+class MoEAlignment(NamedTuple):
+    sorted_ids: torch.Tensor  # [max_padded] int32 slot indices t*k + j grouped by expert; sentinel T*k pads
+    expert_of_block: torch.Tensor  # [max_blocks] int32 expert of each BLOCK_M block; -1 past num_padded
+    num_padded: torch.Tensor  # [1] int32 slots in use (a multiple of BLOCK_M)
+
+
+@dataclass(frozen=True)
+class FusedMoEConfig:
+    """Tile shapes of the two grouped GEMMs (`for_problem` gives the defaults; bench/fused_moe.py sweeps)."""
+
+    block_m: int = 16  # sorted slots per program (the padding unit of moe_align), >= 16
+    block_n: int = 64  # gate/up: columns of I per program (it reads 2 * block_n weight rows)
+    block_k: int = 128  # gate/up: K tile (128 for fp8 weights: one scale block)
+    block_n_down: int = 128  # down: columns of H per program
+    block_k_down: int = 128  # down: K tile over I (128 for fp8 weights)
+    num_warps: int = 4
+    num_stages: int = 4
+    num_warps_down: int = 4
+    num_stages_down: int = 4
+    swap_ab: bool = False  # weight rows on the MMA's M side, tokens on its N side (small blocks)
+
+    @classmethod
+    def for_problem(cls, num_tokens: int, top_k: int, num_experts: int, *,
+                    weight_dtype: torch.dtype = torch.bfloat16) -> "FusedMoEConfig":
+        """Defaults for T tokens with k slots over E experts (not yet tuned on an H200: vLLM's H200 tiles for
+        E=256, I=256 are the starting point; `python bench/fused_moe.py --sweep` measures candidates)."""
+        if weight_dtype == torch.float32:  # IEEE float32 dots (tests): small tiles, two stages fit in shared memory
+            return cls(block_m=16, block_n=32, block_n_down=64, num_stages=2, num_stages_down=2)
+        rows_per_expert = num_tokens * top_k / max(num_experts, 1)
+        if rows_per_expert >= 24:  # prefill: blocks are mostly full, compute matters
+            return cls(block_m=64, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3)
+        # decode: memory-bound on the touched experts' weights; few experts touched -> narrower gate/up
+        # tiles so that enough programs stream weights at once
+        block_n = 32 if num_tokens * top_k <= 64 else 64
+        return cls(block_m=16, block_n=block_n, block_n_down=128, num_stages=4, num_stages_down=4)
+
+
+def moe_align_sizes(num_slots: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """(max_padded, max_blocks) of `moe_align`: at most min(E, T*k) experts hold slots, each padded by at most
+    block_m - 1, so max_padded = T*k + min(E, T*k) * (block_m - 1) rounded up to block_m."""
+    busy = min(num_experts, num_slots)
+    max_padded = triton.cdiv(num_slots + busy * (block_m - 1), block_m) * block_m
+    return max_padded, max_padded // block_m
+
+
+# --- PyTorch twins -------------------------------------------------------------------
+
+
+def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Plain PyTorch alignment (stable sort), equal to `moe_align` element for element."""
+    _check_align(topk_ids, num_experts, block_m, kernel=False)
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    n = flat.numel()
+    max_padded, max_blocks = moe_align_sizes(n, num_experts, block_m)
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    skey = key[order]
+    ok = skey < num_experts
+    e = skey.clamp(max=num_experts - 1)
+    first = (counts.cumsum(0) - counts)[e]  # sorted position of each expert's first slot
+    dest = starts[e] + torch.arange(n, device=dev) - first
+    sorted_ids = torch.full((max_padded,), n, dtype=torch.int32, device=dev)
+    sorted_ids[dest[ok]] = order[ok].to(torch.int32)
+    num_padded = padded.sum()
+    blocks = torch.arange(max_blocks, device=dev) * block_m
+    eob = torch.searchsorted(ends, blocks, right=True)
+    eob = torch.where(blocks < num_padded, eob, torch.full_like(eob, -1)).to(torch.int32)
+    return MoEAlignment(sorted_ids, eob, num_padded.reshape(1).to(torch.int32))
+
+
+def _dequant_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.repeat_interleave(FP8_BLOCK, 1)[:, : q.shape[1]]
+
+
+def _fp8_act(v: torch.Tensor) -> torch.Tensor:
+    """v [M, K] -> float32 values of its per-token, per-128-group fp8 quantisation."""
+    return _dequant_rows(*quantize_activations_ref(v))
+
+
+def fused_moe_ref(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+    w13_scale_inv: torch.Tensor | None = None, w2_scale_inv: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, config: FusedMoEConfig | None = None,
+) -> torch.Tensor:
+    """Plain PyTorch fused MoE (a loop over the touched experts, dequantised weights, float32 matmuls, the
+    same roundings as the kernels); `config` is ignored."""
+    fp8 = _check(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, out, kernel=False)
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    wdt = w13.dtype
+    y = torch.zeros((t, k, h), dtype=torch.float32, device=x.device)
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        ids = topk_ids.long()
+        valid = (ids >= 0) & (ids < num_experts)
+        for e in torch.unique(ids[valid]).tolist():
+            tok, slot = torch.where(ids == e)
+            if fp8:
+                a = _fp8_act(x[tok])
+                w_gu = dequantize_weight_blocks(w13[e], w13_scale_inv[e])
+                w_d = dequantize_weight_blocks(w2[e], w2_scale_inv[e])
+            else:
+                a = x[tok].to(wdt).float()
+                w_gu, w_d = w13[e].float(), w2[e].float()
+            gu = a @ w_gu.T
+            act = (F.silu(gu[:, :inter]) * gu[:, inter:]).to(x.dtype)
+            act = _fp8_act(act) if fp8 else act.to(wdt).float()
+            d = (act @ w_d.T) * topk_weights[tok, slot, None]
+            y[tok, slot] = d.to(x.dtype).float()
+    finally:
+        torch.set_float32_matmul_precision(prev)
+    res = y.sum(1).to(x.dtype)  # torch sums the k slots of a row in order
+    return res if out is None else out.copy_(res)
+
+
+# --- Triton kernels ------------------------------------------------------------------
+
+
+@triton.jit
+def _load_ids(ids_ptr, offs, num_slots, num_experts, top_k, stride_it, stride_ij):
+    inb = offs < num_slots
+    e = tl.load(ids_ptr + (offs // top_k) * stride_it + (offs % top_k) * stride_ij, mask=inb, other=-1).to(tl.int32)
+    return e, inb & (e >= 0) & (e < num_experts)
+
+
+@triton.jit
+def _count_chunk(ids_ptr, start, num_slots, num_experts, top_k, stride_it, stride_ij,
+                 BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+    """Slots per expert among slots start .. start + CHUNK - 1 (one-hot sums over SUB slots at a time)."""
+    ex = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for i0 in range(0, CHUNK, SUB):
+        e, ok = _load_ids(ids_ptr, start + i0 + tl.arange(0, SUB), num_slots, num_experts, top_k, stride_it, stride_ij)
+        counts += tl.sum(((e[:, None] == ex[None, :]) & ok[:, None]).to(tl.int32), axis=0)
+    return counts
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _align_count_kernel(ids_ptr, hist_ptr, num_slots, num_experts, top_k, stride_it, stride_ij,
+                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+    c = tl.program_id(0)
+    counts = _count_chunk(ids_ptr, c * CHUNK, num_slots, num_experts, top_k, stride_it, stride_ij, BLOCK_E, CHUNK, SUB)
+    tl.store(hist_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), counts)
+
+
+@triton.jit(do_not_specialize=["num_slots", "num_chunks", "max_padded", "max_blocks"])
+def _align_scatter_kernel(
+    ids_ptr, hist_ptr, base_ptr, sorted_ptr, eob_ptr, npad_ptr,
+    num_slots, num_experts, num_chunks, max_padded, max_blocks, top_k, stride_it, stride_ij,
+    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SINGLE: tl.constexpr,
+    HIST_ROWS: tl.constexpr, TAIL: tl.constexpr, SUB: tl.constexpr, PAD: tl.constexpr,
+):
+    c = tl.program_id(0)
+    ex = tl.arange(0, BLOCK_E)
+    idx = tl.arange(0, CHUNK)
+    offs = c * CHUNK + idx
+    e, ok = _load_ids(ids_ptr, offs, num_slots, num_experts, top_k, stride_it, stride_ij)
+    # Counts per expert over all slots, and over the slots of the chunks before this one.
+    if SINGLE:
+        total = _count_chunk(ids_ptr, 0, num_slots, num_experts, top_k, stride_it, stride_ij, BLOCK_E, CHUNK, SUB)
+        before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    else:
+        total = tl.zeros([BLOCK_E], dtype=tl.int32)
+        before = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for r0 in range(0, num_chunks, HIST_ROWS):
+            rows = r0 + tl.arange(0, HIST_ROWS)
+            hist = tl.load(hist_ptr + rows[:, None] * BLOCK_E + ex[None, :], mask=rows[:, None] < num_chunks, other=0)
+            total += tl.sum(hist, axis=0)
+            before += tl.sum(tl.where(rows[:, None] < c, hist, 0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    num_padded = tl.sum(padded, axis=0)
+
+    # Slots: the expert's start, the earlier chunks' slots of the expert, the earlier slots of this chunk
+    # (ranks in sub-blocks of SUB slots against the whole chunk, to keep the comparison tile small).
+    tl.store(base_ptr + c * BLOCK_E + ex, starts + before)
+    tl.debug_barrier()  # the stores above are read back (gathered by expert) below
+    for i0 in range(0, CHUNK, SUB):
+        sub = i0 + tl.arange(0, SUB)
+        e_i, ok_i = _load_ids(ids_ptr, c * CHUNK + sub, num_slots, num_experts, top_k, stride_it, stride_ij)
+        same = (e_i[:, None] == e[None, :]) & (idx[None, :] < sub[:, None]) & ok[None, :]
+        rank = tl.sum(same.to(tl.int32), axis=1)
+        pos = tl.load(base_ptr + c * BLOCK_E + tl.where(ok_i, e_i, 0), mask=ok_i, other=0, cache_modifier=".cg")
+        tl.store(sorted_ptr + pos + rank, c * CHUNK + sub, mask=ok_i)
+
+    # Padding after each expert's slots (experts e with e % num_chunks == c), PAD columns at a time.
+    mine = (ex % num_chunks) == c
+    pad_end = padded - total
+    for j0 in range(0, BLOCK_M, PAD):
+        col = j0 + tl.arange(0, PAD)
+        pad_mask = mine[:, None] & (col[None, :] < pad_end[:, None])
+        tl.store(sorted_ptr + (starts + total)[:, None] + col[None, :], num_slots, mask=pad_mask)
+
+    # Expert of each block in use, -1 after; sentinel after num_padded.
+    nblk = padded // BLOCK_M
+    sblk = starts // BLOCK_M
+    for r in range(c, tl.max(nblk, axis=0), num_chunks):
+        tl.store(eob_ptr + sblk + r, ex, mask=r < nblk)
+    used_blocks = num_padded // BLOCK_M
+    for t0 in range(c * TAIL, max_blocks, num_chunks * TAIL):
+        b = t0 + tl.arange(0, TAIL)
+        tl.store(eob_ptr + b, tl.full([TAIL], -1, tl.int32), mask=(b >= used_blocks) & (b < max_blocks))
+    for t0 in range(c * TAIL, max_padded, num_chunks * TAIL):
+        p = t0 + tl.arange(0, TAIL)
+        tl.store(sorted_ptr + p, tl.zeros([TAIL], dtype=tl.int32) + num_slots,
+                 mask=(p >= num_padded) & (p < max_padded))
+    if c == 0:
+        tl.store(npad_ptr, num_padded)
+
+
+@triton.jit
+def _cast_out(v, ptr, SOFT_CVT: tl.constexpr):
+    """float32 v in the element type of ptr, rounded to nearest even (the interpreter's own fp32 -> bf16
+    conversion truncates, so under SOFT_CVT bf16 is rounded in integer arithmetic first)."""
+    if SOFT_CVT and ptr.dtype.element_ty == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def _block_rows(sorted_ptr, b, num_slots, BLOCK_M: tl.constexpr):
+    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(sorted_ptr + rows)
+    return rows, slot, slot < num_slots
+
+
+@triton.jit
+def _mma(a, w, acc, a_s, w_s, FP8: tl.constexpr, IEEE: tl.constexpr, SWAP_AB: tl.constexpr):
+    """acc += a [BM, BK] . w [BN, BK]^T (scaled by a_s [BM] x w_s [BN] for fp8), acc [BM, BN] or, with
+    SWAP_AB, [BN, BM]."""
+    if SWAP_AB:
+        if FP8:
+            acc += tl.dot(w, tl.trans(a)) * (w_s[:, None] * a_s[None, :])
+        elif IEEE:
+            acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(a), acc)
+    else:
+        if FP8:
+            acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * w_s[None, :])
+        elif IEEE:
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _gate_up_kernel(
+    x_ptr, w_ptr, ws_ptr, sorted_ptr, eob_ptr, npad_ptr, h_ptr,
+    num_slots, top_k, hidden, inter,
+    stride_xt, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_hm,
+    FP8: tl.constexpr, SOFT_CVT: tl.constexpr, IEEE: tl.constexpr, COMPUTE: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """h[r, n] = silu(x[tok(r)] . gate_e[n]) * (x[tok(r)] . up_e[n]) for the rows r of one block of expert e."""
+    nt = tl.program_id(0)
+    b = tl.program_id(1)
+    if b * BLOCK_M >= tl.load(npad_ptr):
+        return
+    e = tl.load(eob_ptr + b)
+    if e < 0:
+        return
+    rows, slot, valid = _block_rows(sorted_ptr, b, num_slots, BLOCK_M)
+    tok = (slot // top_k).to(tl.int64)
+    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < inter
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + kk[None, :]
+    g_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn + kk[None, :]
+    u_ptrs = g_ptrs + inter * stride_wn
+    gs_ptrs = ws_ptr + e * stride_wse + (cols // 128) * stride_wsn
+    us_ptrs = ws_ptr + e * stride_wse + ((cols + inter) // 128) * stride_wsn
+    if SWAP_AB:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
+    for k0 in range(0, hidden, BLOCK_K):
+        kmask = (k0 + kk) < hidden
+        a = tl.load(a_ptrs + k0, mask=valid[:, None] & kmask[None, :], other=0.0)
+        wg = tl.load(g_ptrs + k0, mask=cmask[:, None] & kmask[None, :], other=0.0)
+        wu = tl.load(u_ptrs + k0, mask=cmask[:, None] & kmask[None, :], other=0.0)
+        if FP8:
+            a, a_s = _quantize_groups(a.to(tl.float32), SOFT_CVT)
+            kb = k0 // BLOCK_K
+            gs = tl.load(gs_ptrs + kb * stride_wsk, mask=cmask, other=0.0)
+            us = tl.load(us_ptrs + kb * stride_wsk, mask=cmask, other=0.0)
+        else:
+            a = a.to(COMPUTE)
+            a_s = tl.zeros([BLOCK_M], dtype=tl.float32)
+            gs = tl.zeros([BLOCK_N], dtype=tl.float32)
+            us = gs
+        acc_g = _mma(a, wg, acc_g, a_s, gs, FP8, IEEE, SWAP_AB)
+        acc_u = _mma(a, wu, acc_u, a_s, us, FP8, IEEE, SWAP_AB)
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_rows = rows.to(tl.int64) * stride_hm
+    if SWAP_AB:
+        tl.store(h_ptr + out_rows[None, :] + cols[:, None], _cast_out(act, h_ptr, SOFT_CVT), mask=cmask[:, None])
+    else:
+        tl.store(h_ptr + out_rows[:, None] + cols[None, :], _cast_out(act, h_ptr, SOFT_CVT), mask=cmask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_slots"])
+def _down_kernel(
+    h_ptr, w_ptr, ws_ptr, sorted_ptr, eob_ptr, npad_ptr, tw_ptr, y_ptr,
+    num_slots, top_k, hidden, inter,
+    stride_hm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_twt, stride_twj, stride_ym,
+    FP8: tl.constexpr, SOFT_CVT: tl.constexpr, IEEE: tl.constexpr, COMPUTE: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """y[slot(r), n] = topk_weight(slot(r)) * (h[r] . down_e[n]) for the rows r of one block of expert e."""
+    nt = tl.program_id(0)
+    b = tl.program_id(1)
+    if b * BLOCK_M >= tl.load(npad_ptr):
+        return
+    e = tl.load(eob_ptr + b)
+    if e < 0:
+        return
+    rows, slot, valid = _block_rows(sorted_ptr, b, num_slots, BLOCK_M)
+    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < hidden
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + kk[None, :]
+    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn + kk[None, :]
+    s_ptrs = ws_ptr + e * stride_wse + (cols // 128) * stride_wsn
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        kmask = (k0 + kk) < inter
+        a = tl.load(a_ptrs + k0, mask=valid[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=cmask[:, None] & kmask[None, :], other=0.0)
+        if FP8:
+            a, a_s = _quantize_groups(a.to(tl.float32), SOFT_CVT)
+            ws = tl.load(s_ptrs + (k0 // BLOCK_K) * stride_wsk, mask=cmask, other=0.0)
+        else:
+            a = a.to(COMPUTE)
+            a_s = tl.zeros([BLOCK_M], dtype=tl.float32)
+            ws = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc = _mma(a, w, acc, a_s, ws, FP8, IEEE, SWAP_AB)
+    slot = tl.where(valid, slot, 0)
+    rw = tl.load(tw_ptr + (slot // top_k) * stride_twt + (slot % top_k) * stride_twj, mask=valid, other=0.0)
+    out_rows = slot.to(tl.int64) * stride_ym
+    if SWAP_AB:
+        acc = acc * rw[None, :]
+        tl.store(y_ptr + out_rows[None, :] + cols[:, None], _cast_out(acc, y_ptr, SOFT_CVT),
+                 mask=cmask[:, None] & valid[None, :])
+    else:
+        acc = acc * rw[:, None]
+        tl.store(y_ptr + out_rows[:, None] + cols[None, :], _cast_out(acc, y_ptr, SOFT_CVT),
+                 mask=valid[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, hidden, num_experts, stride_it, stride_ij, stride_ym, stride_ot,
+                      TOP_K: tl.constexpr, BLOCK: tl.constexpr, SOFT_CVT: tl.constexpr):
+    """out[t] = sum over j in order of y[t*k + j], slots with an id outside [0, E) skipped."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.zeros([BLOCK], dtype=tl.int32) + tl.load(ids_ptr + t * stride_it + j * stride_ij).to(tl.int32)
+        use = cmask & (e >= 0) & (e < num_experts)
+        acc += tl.load(y_ptr + (t * TOP_K + j) * stride_ym + cols, mask=use, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + cols, _cast_out(acc, out_ptr, SOFT_CVT), mask=cmask)
+
+
+# --- launchers -----------------------------------------------------------------------
+
+
+def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool) -> None:
+    if topk_ids.dim() != 2 or topk_ids.dtype not in _ID_DTYPES:
+        raise ValueError(f"topk_ids must be int32/int64 [T, k], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if topk_ids.shape[1] < 1:
+        raise ValueError("topk_ids must have k >= 1 columns")
+    if not isinstance(num_experts, int) or not 1 <= num_experts <= 1024:
+        raise ValueError(f"num_experts must be an int in [1, 1024], got {num_experts!r}")
+    if not isinstance(block_m, int) or block_m < 1 or block_m > 256 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two in [1, 256], got {block_m!r}")
+    if topk_ids.numel() >= 2**30:
+        raise ValueError("too many slots (T*k must stay below 2**30)")
+    if kernel and topk_ids.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"topk_ids is on {topk_ids.device}: the Triton kernels need CUDA tensors "
+                         "(or TRITON_INTERPRET=1)")
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Triton: slots t*k + j grouped by expert (ascending within an expert), each expert's run padded to a
+    multiple of block_m with the sentinel T*k; sizes from `moe_align_sizes`. Blocks of sorted_ids at and
+    after num_padded hold the sentinel and expert -1. Ids outside [0, E) are left out. No host sync."""
+    _check_align(topk_ids, num_experts, block_m, kernel=True)
+    dev = topk_ids.device
+    n = topk_ids.numel()
+    max_padded, max_blocks = moe_align_sizes(n, num_experts, block_m)
+    sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=dev)
+    eob = torch.empty((max_blocks,), dtype=torch.int32, device=dev)
+    num_padded = torch.empty((1,), dtype=torch.int32, device=dev)
+    if n == 0:
+        num_padded.zero_()
+        return MoEAlignment(sorted_ids, eob, num_padded)
+    block_e = max(32, triton.next_power_of_2(num_experts))
+    chunks = triton.cdiv(n, ALIGN_CHUNK)
+    k = topk_ids.shape[1]
+    si, sj = topk_ids.stride()
+    base = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)  # per-chunk slot bases (scratch)
+    hist = torch.empty((chunks, block_e), dtype=torch.int32, device=dev) if chunks > 1 else base  # unused if 1
+    if chunks > 1:
+        _align_count_kernel[(chunks,)](topk_ids, hist, n, num_experts, k, si, sj,
+                                       BLOCK_E=block_e, CHUNK=ALIGN_CHUNK, SUB=32, num_warps=4)
+    _align_scatter_kernel[(chunks,)](
+        topk_ids, hist, base, sorted_ids, eob, num_padded,
+        n, num_experts, chunks, max_padded, max_blocks, k, si, sj,
+        BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, SINGLE=chunks == 1, HIST_ROWS=16, TAIL=1024, SUB=32,
+        PAD=16, num_warps=8,
+    )
+    return MoEAlignment(sorted_ids, eob, num_padded)
+
+
+def _check(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, out, kernel: bool) -> bool:
+    """Validates the inputs of fused_moe / fused_moe_ref; returns whether the weights are fp8."""
+    if x.dim() != 2 or x.dtype not in _ACT_DTYPES:
+        raise ValueError(f"x must be bf16/fp16/fp32 [T, H], got {tuple(x.shape)} {x.dtype}")
+    t, h = x.shape
+    if w13.dim() != 3 or w2.dim() != 3 or w13.dtype not in _W_DTYPES or w2.dtype != w13.dtype:
+        raise ValueError(f"w13 [E, 2I, H] and w2 [E, H, I] must be 3-D with one dtype among bf16/fp16/fp32/"
+                         f"float8_e4m3fn, got {tuple(w13.shape)} {w13.dtype} and {tuple(w2.shape)} {w2.dtype}")
+    e, i2, hw = w13.shape
+    inter = i2 // 2
+    if e < 1 or inter < 1 or i2 % 2 or hw != h or tuple(w2.shape) != (e, h, inter):
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} must be [E, 2I, H] and [E, H, I] "
+                         f"with H = {h} (x's columns), E >= 1, I >= 1")
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if fp8:
+        if inter % FP8_BLOCK:
+            raise ValueError(f"fp8 experts need I % {FP8_BLOCK} == 0 (scale blocks must not mix gate and up "
+                             f"rows), got I = {inter}")
+        hb = triton.cdiv(h, FP8_BLOCK)
+        for s, want, name in ((w13_scale_inv, (e, 2 * inter // FP8_BLOCK, hb), "w13_scale_inv"),
+                              (w2_scale_inv, (e, hb, inter // FP8_BLOCK), "w2_scale_inv")):
+            if s is None or s.dtype != torch.float32 or tuple(s.shape) != want:
+                got = None if s is None else (tuple(s.shape), s.dtype)
+                raise ValueError(f"fp8 weights need {name} float32 {list(want)}, got {got}")
+    elif w13_scale_inv is not None or w2_scale_inv is not None:
+        raise ValueError(f"scales are only for float8_e4m3fn weights, got {w13.dtype} weights with scales")
+    if topk_ids.dim() != 2 or topk_ids.dtype not in _ID_DTYPES or topk_ids.shape[0] != t or topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids must be int32/int64 [T={t}, k >= 1], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights must be float32 {list(topk_ids.shape)}, got {tuple(topk_weights.shape)} "
+                         f"{topk_weights.dtype}")
+    if out is not None and (out.shape != x.shape or out.dtype != x.dtype or (kernel and out.stride(1) != 1)):
+        raise ValueError(f"out must be {x.dtype} [{t}, {h}] with unit last stride, got {tuple(out.shape)} {out.dtype}")
+    tensors = [x, w13, w2, topk_weights, topk_ids] + [v for v in (w13_scale_inv, w2_scale_inv, out) if v is not None]
+    if len({v.device for v in tensors}) != 1:
+        raise ValueError("all inputs must share a device")
+    if kernel:
+        if x.stride(1) != 1 or w13.stride(2) != 1 or w2.stride(2) != 1:
+            raise ValueError("x, w13 and w2 must have unit last stride")
+        if x.device.type != "cuda" and not _interpreting():
+            raise ValueError(f"x is on {x.device}: the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)")
+    return fp8
+
+
+def _check_config(cfg: FusedMoEConfig, fp8: bool) -> None:
+    for v, name in ((cfg.block_m, "block_m"), (cfg.block_n, "block_n"), (cfg.block_k, "block_k"),
+                    (cfg.block_n_down, "block_n_down"), (cfg.block_k_down, "block_k_down")):
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    if cfg.block_m > 256:
+        raise ValueError(f"block_m must be at most 256, got {cfg.block_m}")
+    if fp8 and (cfg.block_k != FP8_BLOCK or cfg.block_k_down != FP8_BLOCK):
+        raise ValueError(f"fp8 weights need block_k = block_k_down = {FP8_BLOCK} (one scale block per K tile)")
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+    w13_scale_inv: torch.Tensor | None = None, w2_scale_inv: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, config: FusedMoEConfig | None = None,
+) -> torch.Tensor:
+    """Triton fused MoE: x [T, H] -> [T, H] in x.dtype (optionally into `out`); see the module docstring."""
+    fp8 = _check(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, out, kernel=True)
+    t, h = x.shape
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    k = topk_ids.shape[1]
+    res = torch.empty_like(x) if out is None else out
+    if t == 0:
+        return res
+    cfg = config or FusedMoEConfig.for_problem(t, k, num_experts, weight_dtype=w13.dtype)
+    _check_config(cfg, fp8)
+    sorted_ids, eob, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
+    max_padded, max_blocks = sorted_ids.numel(), eob.numel()
+    if max_blocks > _MAX_GRID_Y:
+        raise ValueError(f"T*k = {t * k} slots need {max_blocks} blocks of {cfg.block_m}, over the grid limit "
+                         f"{_MAX_GRID_Y}: use a larger block_m or split the batch")
+    act = torch.empty((max_padded, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
+    soft = _soft_cvt()
+    compute = tl.float32 if fp8 else _COMPUTE[w13.dtype]
+    ieee = w13.dtype == torch.float32
+    s13 = w13_scale_inv if fp8 else x  # unused without fp8
+    s2 = w2_scale_inv if fp8 else x
+    s13_strides = w13_scale_inv.stride() if fp8 else (0, 0, 0)
+    s2_strides = w2_scale_inv.stride() if fp8 else (0, 0, 0)
+    _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), max_blocks)](
+        x, w13, s13, sorted_ids, eob, num_padded, act,
+        t * k, k, h, inter,
+        x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, act.stride(0),
+        FP8=fp8, SOFT_CVT=soft, IEEE=ieee, COMPUTE=compute, SWAP_AB=cfg.swap_ab,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    _down_kernel[(triton.cdiv(h, cfg.block_n_down), max_blocks)](
+        act, w2, s2, sorted_ids, eob, num_padded, topk_weights, y,
+        t * k, k, h, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), *s2_strides, topk_weights.stride(0), topk_weights.stride(1),
+        y.stride(0),
+        FP8=fp8, SOFT_CVT=soft, IEEE=ieee, COMPUTE=compute, SWAP_AB=cfg.swap_ab,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
+        num_warps=cfg.num_warps_down, num_stages=cfg.num_stages_down,
+    )
+    block = min(1024, triton.next_power_of_2(h))
+    _sum_slots_kernel[(t, triton.cdiv(h, block))](
+        y, topk_ids, res, h, num_experts, topk_ids.stride(0), topk_ids.stride(1), y.stride(0), res.stride(0),
+        TOP_K=k, BLOCK=block, SOFT_CVT=soft, num_warps=4,
+    )
+    return res
