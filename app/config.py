@@ -88,6 +88,8 @@ class EngineArgs(_Section):
     """Seeds requests that bring no seed of their own."""
     random_weights: bool = False
     """Seeded random weights instead of loading the checkpoint (shape-only runs)."""
+    quantization: Literal["auto", "fp8", "none"] = "auto"
+    """Linear weights: auto keeps an FP8 block-quantised checkpoint FP8 in bfloat16; fp8 forces FP8; none dequantises."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one replica spans (the model's heads and MLP features are split over them)."""
     executor: Literal["mp", "ray"] = "mp"

@@ -23,6 +23,7 @@ from engine.attention_ops import AttentionOps
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
 from engine.layers import RMSNorm, apply_rope
+from engine.linear import WeightFormat, make_linear
 from engine.model_config import ModelConfig
 from engine.parallel.tensor_parallel import TensorParallel
 
@@ -51,11 +52,11 @@ class Selection:
 class Indexer(nn.Module):
     """Lightning indexer: scores past tokens with a few cheap heads and keeps the top-K."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, fmt: WeightFormat) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, cfg.index_head_dim, bias=False)
+        self.wq_b = make_linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, fmt.is_fp8("wq_b"))
+        self.wk = make_linear(cfg.hidden_size, cfg.index_head_dim, fmt.is_fp8("wk"))
         self.k_norm = nn.LayerNorm(cfg.index_head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
 
@@ -87,18 +88,19 @@ class Indexer(nn.Module):
 class MLAAttention(nn.Module):
     """Multi-head latent attention over the slots chosen by the indexer."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel, fmt: WeightFormat = WeightFormat()) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.num_heads = h = tp.local(cfg.num_attention_heads, "num_attention_heads")  # this rank's heads
-        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_proj = make_linear(cfg.hidden_size, cfg.q_lora_rank, fmt.is_fp8("q_a_proj"))
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.q_b_proj = make_linear(cfg.q_lora_rank, h * cfg.qk_head_dim, fmt.is_fp8("q_b_proj"))
+        kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        self.kv_a_proj_with_mqa = make_linear(cfg.hidden_size, kv_a, fmt.is_fp8("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
-        self.indexer = Indexer(cfg) if cfg.indexer_types[layer] == "full" else None
+        self.o_proj = make_linear(h * cfg.v_head_dim, cfg.hidden_size, fmt.is_fp8("o_proj"))
+        self.indexer = Indexer(cfg, fmt) if cfg.indexer_types[layer] == "full" else None
         self.scale = cfg.qk_head_dim**-0.5
 
     def forward(self, x: torch.Tensor, ctx: StepContext, shared: Selection | None) -> tuple[torch.Tensor, Selection]:

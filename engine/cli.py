@@ -39,6 +39,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--random-weights", action="store_true", help="seeded random init instead of loading weights")
+    p.add_argument("--quantization", choices=["auto", "fp8", "none"], default="auto",
+                   help="linear weights: auto keeps an FP8 checkpoint FP8 in bfloat16 mode; fp8 forces FP8")
     p.add_argument("--policy", choices=list(POLICIES), default="off", help="what frees KV pages under pressure")
     p.add_argument("--host-pool-gib", type=float, default=0.0, help="host tier for hybrid / offload")
     p.add_argument("--hot-rows", type=int, default=None, help="hot slots per demoted request (default 2 x top-K)")
@@ -65,6 +67,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_cache=not args.no_prefix_cache,
         seed=args.seed if args.seed is not None else 0,
         random_weights=args.random_weights,
+        quantization=args.quantization,
         hisparse=HiSparseConfig(policy=args.policy, host_pool_gib=args.host_pool_gib, hot_rows=args.hot_rows,
                                 offload_pool_gib=args.offload_pool_gib),
         tensor_parallel_size=args.tensor_parallel_size,
@@ -184,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write the tiny random-weight checkpoint")
     tiny.add_argument("--out", type=Path, required=True)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--fp8", action="store_true", help="FP8 e4m3 linear weights with 128x128 block scales")
+    tiny.add_argument("--config", type=Path, default=None,
+                      help="JSON file of config.json fields replacing the tiny ones (any shape, e.g. GLM-5.3's)")
 
     gen = sub.add_parser("generate", help="run requests to completion")
     _add_engine_flags(gen)
@@ -212,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     if args.command == "make-tiny":
-        make_tiny(args.out, seed=args.seed)
+        overrides = json.loads(args.config.read_text()) if args.config else None
+        make_tiny(args.out, seed=args.seed, overrides=overrides, fp8=args.fp8)
         return 0
     try:
         return _with_engine(cmd_generate if args.command == "generate" else cmd_chat, args)

@@ -8,11 +8,13 @@ from typing import Literal
 import torch
 
 from engine.kv_layout import KVFormat
+from engine.linear import WeightFormat
 from residency.config import HiSparseConfig
 
 DType = Literal["float32", "bfloat16"]
 KVDType = Literal["auto", "float32", "bf16", "fp8"]
 ExecutorKind = Literal["mp", "ray"]
+Quantization = Literal["auto", "fp8", "none"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class EngineConfig:
     hisparse: HiSparseConfig = field(default_factory=HiSparseConfig)  # residency: host tier and pressure policy
     seed: int = 0  # seeds requests that bring no seed of their own
     random_weights: bool = False  # shapes-only run: seeded random init instead of loading weights
+    # Linear weights: "auto" keeps an FP8 block-quantised checkpoint FP8 in bf16 mode (dequantised in the
+    # float32 reference mode); "fp8" makes them FP8 whatever the checkpoint (random weights at FP8);
+    # "none" dequantises to the compute dtype.
+    quantization: Quantization = "auto"
     # Ranks the model is split over (heads, MLP features); each holds a full replica of the KV pool.
     tensor_parallel_size: int = 1
     # How ranks run when tensor_parallel_size > 1: "mp" spawned processes (no Ray needed, no nested
@@ -50,12 +56,21 @@ class EngineConfig:
             raise ValueError("num_gpu_pages must be positive")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be at least 1")
+        if self.quantization not in ("auto", "fp8", "none"):
+            raise ValueError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
+        if self.quantization == "fp8" and self.dtype == "float32":
+            raise ValueError("quantization fp8 needs dtype bfloat16 (float32 is the unquantised reference mode)")
         if self.executor not in ("mp", "ray"):
             raise ValueError(f"executor must be mp or ray, got {self.executor!r}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch.float32 if self.dtype == "float32" else torch.bfloat16
+
+    def weight_format(self, fp8_checkpoint: bool) -> WeightFormat:
+        """How linear weights are held, given whether the checkpoint is FP8 block-quantised."""
+        fp8 = self.quantization == "fp8" or (self.quantization == "auto" and fp8_checkpoint and self.dtype != "float32")
+        return WeightFormat("fp8" if fp8 else "dense")
 
     @property
     def kv_format(self) -> KVFormat:

@@ -1,9 +1,10 @@
 """Building blocks of GLM-MoE-DSA that hold no KV state: norms, rotary embedding, MLPs, MoE.
 
-Parameter names follow the published checkpoints so a state dict loads by name.
-Under tensor parallelism an MLP holds a slice of the intermediate features and
-returns a partial output (engine/parallel/sharding.py); the decoder layer sums
-the ranks' partials.
+Parameter names follow the published checkpoints, except the routed experts,
+which are stacked per layer for the fused MoE (engine/weight_map.py says where
+each published tensor goes). Under tensor parallelism an MLP holds a slice of
+the intermediate features and returns a partial output
+(engine/parallel/sharding.py); the decoder layer sums the ranks' partials.
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.linear import WeightFormat, make_linear
 from engine.model_config import ModelConfig
 from engine.parallel.tensor_parallel import TensorParallel
+from kernels.fp8_gemm import FP8_BLOCK
+from kernels.fused_moe import fused_moe, fused_moe_ref
 
 
 class RMSNorm(nn.Module):
@@ -68,11 +72,11 @@ class MLP(nn.Module):
     `intermediate` is this rank's share; with several ranks the output is partial.
     """
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, fmt: WeightFormat = WeightFormat()) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = make_linear(hidden, intermediate, fmt.is_fp8("gate_proj"))
+        self.up_proj = make_linear(hidden, intermediate, fmt.is_fp8("up_proj"))
+        self.down_proj = make_linear(intermediate, hidden, fmt.is_fp8("down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -105,25 +109,64 @@ class Router(nn.Module):
         return weights * cfg.routed_scaling_factor, ids
 
 
+class StackedExperts(nn.Module):
+    """Every expert of one MoE layer in two stacked tensors, run by one fused MoE.
+
+    `w13` [E, 2I, H] holds each expert's gate rows then up rows, `w2` [E, H, I]
+    its down projection (this rank's I columns under tensor parallelism). FP8
+    experts add `w13_scale_inv` [E, 2I/128, H/128] and `w2_scale_inv`
+    [E, H/128, I/128]; I must then be a multiple of 128 so no scale block mixes
+    gate and up rows.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, fp8: bool) -> None:
+        super().__init__()
+        dtype = torch.float8_e4m3fn if fp8 else None
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype), requires_grad=False)
+        self.fp8 = fp8
+        if fp8:
+            if intermediate % FP8_BLOCK:
+                raise ValueError(f"FP8 experts need a per-rank intermediate size divisible by {FP8_BLOCK}, "
+                                 f"got {intermediate}")
+            blocks = -(-hidden // FP8_BLOCK)
+            scale = torch.ones(num_experts, 2 * intermediate // FP8_BLOCK, blocks, dtype=torch.float32)
+            self.w13_scale_inv = nn.Parameter(scale, requires_grad=False)
+            scale = torch.ones(num_experts, blocks, intermediate // FP8_BLOCK, dtype=torch.float32)
+            self.w2_scale_inv = nn.Parameter(scale, requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        moe = fused_moe if x.is_cuda else fused_moe_ref
+        scales = {"w13_scale_inv": self.w13_scale_inv, "w2_scale_inv": self.w2_scale_inv} if self.fp8 else {}
+        return moe(x, self.w13, self.w2, weights, ids, **scales)
+
+
 class MoE(nn.Module):
-    """Routed experts plus the shared expert.
+    """Routed experts plus the shared expert, in one fused launch pair.
 
     The router is replicated, so every rank picks the same experts for a token;
     each rank computes its slice of every picked expert (tensor parallel experts).
+    Routing, expert alignment and the grouped GEMMs stay on the device with
+    shapes that do not depend on the routing. When the shared expert is as wide
+    as a routed one (GLM-5.x), it is stacked as expert E and every token routes
+    to it with weight 1; otherwise it stays a separate MLP.
     """
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, fmt: WeightFormat = WeightFormat()) -> None:
         super().__init__()
         self.gate = Router(cfg)
         expert = tp.local(cfg.moe_intermediate_size, "moe_intermediate_size")
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, expert) for _ in range(cfg.n_routed_experts))
-        self.shared_experts = MLP(cfg.hidden_size, expert * cfg.n_shared_experts)
+        self.fold_shared = cfg.n_shared_experts == 1
+        slots = cfg.n_routed_experts + (1 if self.fold_shared else 0)
+        self.experts = StackedExperts(slots, cfg.hidden_size, expert, fmt.is_fp8("experts"))
+        if not self.fold_shared:
+            self.shared_experts = MLP(cfg.hidden_size, expert * cfg.n_shared_experts, fmt)
+        self.shared_slot = cfg.n_routed_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = torch.zeros_like(x)
-        for expert_id in ids.unique().tolist():
-            token_idx, slot = torch.where(ids == expert_id)
-            y = self.experts[expert_id](x[token_idx]) * weights[token_idx, slot, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
-        return out + self.shared_experts(x)
+        if not self.fold_shared:
+            return self.experts(x, weights, ids) + self.shared_experts(x)
+        ones = torch.ones_like(weights[:, :1])
+        shared = torch.full_like(ids[:, :1], self.shared_slot)
+        return self.experts(x, torch.cat([weights, ones], 1), torch.cat([ids, shared], 1))

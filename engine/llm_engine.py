@@ -89,6 +89,7 @@ class LLMEngine:
             device_type=self.device.type,
             tp_size=config.tensor_parallel_size,
             random_seed=config.seed if config.random_weights else None,
+            weight_format=config.weight_format(self.model_config.fp8_block_checkpoint),
         )
         self.executor = make_executor(spec, config.executor, self.device, config.max_num_seqs,
                                       self.model_config.vocab_size)

@@ -12,6 +12,9 @@ the layers; only the rank that returns logits needs `lm_head`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -20,21 +23,22 @@ from engine.attention_ops import AttentionOps
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
 from engine.layers import MLP, MoE, RMSNorm, RotaryEmbedding
+from engine.linear import WeightFormat
 from engine.model_config import ModelConfig
 from engine.parallel.tensor_parallel import TensorParallel
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel, fmt: WeightFormat) -> None:
         super().__init__()
         self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg, layer, tp)
+        self.self_attn = MLAAttention(cfg, layer, tp, fmt)
         if cfg.is_moe_layer(layer):
-            self.mlp: nn.Module = MoE(cfg, tp)
+            self.mlp: nn.Module = MoE(cfg, tp, fmt)
         else:
-            self.mlp = MLP(cfg.hidden_size, tp.local(cfg.intermediate_size, "intermediate_size"))
+            self.mlp = MLP(cfg.hidden_size, tp.local(cfg.intermediate_size, "intermediate_size"), fmt)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, shared: Selection | None) -> tuple[torch.Tensor, Selection]:
         attn, selection = self.self_attn(self.input_layernorm(x), ctx, shared)
@@ -43,21 +47,40 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, fmt: WeightFormat) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, fmt) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(cfg: ModelConfig, tp: TensorParallel, fmt: WeightFormat, dtype: torch.dtype,
+                device: torch.device) -> GlmMoeDsaForCausalLM:
+    """The model with its tensors created in place: `dtype` on `device`, FP8 weights and float32 scales as
+    declared. Never `.to(dtype)` a built model: FP8 weights are floating point and would be converted."""
+    with torch.device(device), _default_dtype(dtype):
+        return GlmMoeDsaForCausalLM(cfg, tp, fmt)
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
     """The whole model; `forward` returns logits of the batch's sampled rows only."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, fmt: WeightFormat = WeightFormat()) -> None:
         super().__init__()
         self.cfg = cfg
         self.tp = tp or TensorParallel()
-        self.model = Backbone(cfg, self.tp)
+        self.weight_format = fmt
+        self.model = Backbone(cfg, self.tp, fmt)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta)
 

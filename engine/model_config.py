@@ -97,6 +97,12 @@ class ModelConfig:
                 groups[-1].append(i)
         return tuple(tuple(g) for g in groups)
 
+    @property
+    def fp8_block_checkpoint(self) -> bool:
+        """Whether the checkpoint's linear weights are FP8 e4m3 with 128x128 block scales."""
+        q = self.quantization or {}
+        return q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [128, 128]
+
     def is_moe_layer(self, layer: int) -> bool:
         return self.mlp_layer_types[layer] == "sparse"
 

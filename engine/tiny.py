@@ -5,6 +5,9 @@ layers, IndexShare with full and shared layers, and `index_topk` far below the
 contexts it serves so attention really is sparse. Written as sharded
 safetensors with an index, published parameter names, a byte-level tokenizer
 and a GLM-style chat template, so every loading path of a real checkpoint runs.
+With `fp8=True` the linear weights are written as published FP8 checkpoints hold
+them (e4m3 with 128x128 block scales in `weight_scale_inv`, bf16 elsewhere, a
+`quantization_config` in config.json); `overrides` give any shape, GLM-5.3's too.
 """
 
 from __future__ import annotations
@@ -17,10 +20,14 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.model import GlmMoeDsaForCausalLM
+from engine.linear import WeightFormat
+from engine.model import build_model
 from engine.model_config import ModelConfig
+from engine.parallel.tensor_parallel import TensorParallel
 from engine.tiny_tokenizer import write_tiny_tokenizer
+from engine.weight_map import published_slots
 from engine.weights import random_init
+from kernels.fp8_gemm import quantize_weight_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +72,20 @@ TINY_CONFIG: dict[str, Any] = {
 
 # Weight scale of the tiny model: large enough that logits are well separated.
 TINY_INIT_STD = 0.08
+# What published FP8 checkpoints declare; FP8 experts need 128-multiple widths (one scale block per 128 rows).
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
+FP8_TINY_OVERRIDES = {"moe_intermediate_size": 128, "torch_dtype": "bfloat16"}
 
 
 def save_checkpoint(model: torch.nn.Module, out: Path, num_shards: int = 2) -> None:
-    """Writes the state dict as `num_shards` safetensors files plus the index."""
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if not k.endswith("inv_freq")}
+    """Writes the model's tensors under their published names as `num_shards` safetensors files plus the index."""
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    state = {name: slot.view(tensors).detach().contiguous().clone() for name, slot in published_slots(model).items()}
+    if model.weight_format.kind == "fp8":  # published FP8 checkpoints also quantise what the engine dequantises
+        for name in [n for n in state if n.endswith("kv_b_proj.weight")]:
+            state[name], state[name + "_scale_inv"] = quantize_weight_blocks(state[name].float())
     names = sorted(state)
     weight_map: dict[str, str] = {}
     per_shard = -(-len(names) // num_shards)
@@ -83,12 +99,15 @@ def save_checkpoint(model: torch.nn.Module, out: Path, num_shards: int = 2) -> N
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def make_tiny(out: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None) -> Path:
-    """Creates the tiny checkpoint in `out`; `overrides` replace config fields (tests use it)."""
+def make_tiny(out: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None, fp8: bool = False) -> Path:
+    """Creates the tiny checkpoint in `out`; `overrides` replace config fields (tests and other shapes use it);
+    `fp8` writes FP8 block-quantised linear weights."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_size = write_tiny_tokenizer(out)
-    raw = dict(TINY_CONFIG, **(overrides or {}))
+    raw = {**TINY_CONFIG, **(FP8_TINY_OVERRIDES if fp8 else {}), **(overrides or {})}
+    if fp8:
+        raw["quantization_config"] = FP8_QUANTIZATION
     raw.setdefault("vocab_size", -(-tokenizer_size // 64) * 64)
     tokenizer_cfg = json.loads((out / "tokenizer_config.json").read_text())
     gen_path = out / "generation_config.json"
@@ -97,7 +116,8 @@ def make_tiny(out: str | Path, seed: int = 0, overrides: dict[str, Any] | None =
     raw["pad_token_id"] = tokenizer_cfg.get("pad_token_id")
     cfg = ModelConfig.from_dict(raw)
     torch.manual_seed(seed)
-    model = GlmMoeDsaForCausalLM(cfg)
+    fmt, dtype = (WeightFormat("fp8"), torch.bfloat16) if fp8 else (WeightFormat(), torch.float32)
+    model = build_model(cfg, TensorParallel(), fmt, dtype, torch.device("cpu"))
     random_init(model, seed, std=TINY_INIT_STD)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 1)

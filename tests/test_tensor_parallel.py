@@ -201,10 +201,12 @@ def test_ranks_load_their_slices_of_the_checkpoint(tiny_dir: Path) -> None:
         params = dict(shard.named_parameters())
         q_b = whole["model.layers.1.self_attn.q_b_proj.weight"].chunk(2, dim=0)[rank]
         o = whole["model.layers.1.self_attn.o_proj.weight"].chunk(2, dim=1)[rank]
-        down = whole["model.layers.2.mlp.experts.3.down_proj.weight"].chunk(2, dim=1)[rank]
+        down = whole["model.layers.2.mlp.experts.w2"][3].chunk(2, dim=1)[rank]
+        up = whole["model.layers.2.mlp.experts.w13"][3].chunk(2, dim=0)[1].chunk(2, dim=0)[rank]
         assert torch.equal(params["model.layers.1.self_attn.q_b_proj.weight"], q_b)
         assert torch.equal(params["model.layers.1.self_attn.o_proj.weight"], o)
-        assert torch.equal(params["model.layers.2.mlp.experts.3.down_proj.weight"], down)
+        assert torch.equal(params["model.layers.2.mlp.experts.w2"][3], down)  # expert 3 of the stack
+        assert torch.equal(params["model.layers.2.mlp.experts.w13"][3].chunk(2, dim=0)[1], up)  # its up rows
         for name in ("model.layers.1.self_attn.indexer.wq_b.weight", "model.layers.2.mlp.gate.weight"):
             assert torch.equal(params[name], whole[name])  # replicated
 
@@ -219,7 +221,7 @@ def test_fp8_slices_are_read_on_block_boundaries(tmp_path: Path) -> None:
     with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as f:
         for dim in (0, 1):
             for rank in range(2):
-                got = _read_slice(f, "w", {"w", "w_scale_inv"}, dim, TensorParallel(rank, 2), torch.float32)
+                got = _read_slice(f, "w", "w_scale_inv", dim, TensorParallel(rank, 2)).dense(torch.float32)
                 assert torch.equal(got, want.chunk(2, dim=dim)[rank])
 
 

@@ -18,7 +18,8 @@ import torch
 from engine.attention_ops import AttentionOps, TorchAttentionOps
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVFormat, KVLayout
-from engine.model import GlmMoeDsaForCausalLM
+from engine.linear import WeightFormat
+from engine.model import build_model
 from engine.model_config import ModelConfig
 from engine.parallel.rank_residency import RankResidency
 from engine.parallel.step import StepInput, StepOutput
@@ -40,6 +41,7 @@ class WorkerSpec:
     device_type: str  # "cpu" or "cuda"; each rank is given its own device
     tp_size: int
     random_seed: int | None  # seeded random weights instead of the checkpoint
+    weight_format: WeightFormat = WeightFormat()  # linear weights dense or FP8 block-scaled
 
 
 class Worker:
@@ -48,12 +50,10 @@ class Worker:
         cfg = ModelConfig.from_dir(spec.model_dir)
         self.layout = KVLayout.for_model(cfg, spec.kv_format)
         self.index_topk = cfg.index_topk
-        with torch.device(device):
-            self.model = GlmMoeDsaForCausalLM(cfg, TensorParallel(rank, spec.tp_size)).to(spec.dtype)
-        # The router's correction bias and the indexer's head weights stay in float32, as published.
+        tp = TensorParallel(rank, spec.tp_size)
+        self.model = build_model(cfg, tp, spec.weight_format, spec.dtype, device)
+        # The indexer's head weights stay in float32, as published (the router's bias is float32 already).
         for layer in self.model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.data = layer.mlp.gate.e_score_correction_bias.data.float()
             if layer.self_attn.indexer is not None:
                 layer.self_attn.indexer.weights_proj.float()
         if spec.random_seed is not None:
