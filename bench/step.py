@@ -1,0 +1,249 @@
+"""Decode step time against its HBM floor, at one rank's share of GLM-5.3 (tensor parallel 8).
+
+One rank's shapes: 8 of 64 heads, dense and expert columns cut by 8 (expert width 256), 256 routed
+experts top-8 plus the shared one, q_lora, the latent path and the indexer replicated, FP8 KV rows,
+one full indexer layer per four (GLM-5.3: 21 of 78), every layer MoE. Random weights, bf16 or FP8.
+For each weight format, two depths (4 and 8 layers) separate the per-layer time from the per-step
+fixed cost (scheduling, sampling, output): per layer = (t8 - t4) / 4, fixed = t4 - 4 x per layer.
+
+Contexts are built without computing them B times: one prompt is prefilled, its cached pages are
+copied (device to device) under every other request's prefix hashes, so each of the B requests owns
+distinct pages of valid KV, read from HBM like any other; decode steps then run through the engine
+(`LLMEngine.step`: schedule, forward, sample, outputs), timed after a warm-up.
+
+The floor of one layer of one step is the bytes it must read from HBM: the weights the batch touches
+(attention, the indexer's on full layers, the router, and every distinct expert the batch routes to,
+counted from the router's choices in an untimed step), the selected MLA rows (B x min(K, ctx) x 656 B)
+and, on full layers, every cached indexer key (B x ctx x 132 B); divided by the HBM copy bandwidth
+measured in the same run. The 78-layer step adds two all-reduces per layer (`--allreduce-us`).
+A flop floor (2 x weights touched per token, attention products) at the dense peak measured in the
+same run is printed beside it. Usage: python bench/step.py [--contexts 8192 65536] [--batches 1 8 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.kv_layout import KVLayout  # noqa: E402
+from engine.layers import MoE  # noqa: E402
+from engine.linear import WeightFormat  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.memory_plan import _attention_bytes, _indexer_bytes, _linear_bytes  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from engine.prefix_transfer import PrefixSnapshot, install_prefix, snapshot_prefix  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+from engine.tiny import FP8_QUANTIZATION, TINY_CONFIG  # noqa: E402
+
+logger = logging.getLogger("bench.step")
+TP = 8
+MLA_ROW_BYTES, INDEXER_ROW_BYTES = 656, 132
+
+
+def rank_config(layers: int, fp8: bool) -> dict:
+    """config.json of one rank's share of GLM-5.3 at `layers` layers (one full indexer layer per four)."""
+    pattern = (["full"] + ["shared"] * 3) * (layers // 4)
+    raw = dict(
+        TINY_CONFIG, hidden_size=6144, intermediate_size=12288 // TP, moe_intermediate_size=2048 // TP,
+        num_hidden_layers=layers, num_attention_heads=64 // TP, num_key_value_heads=64 // TP, q_lora_rank=2048,
+        kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32,
+        index_head_dim=128, index_topk=2048, indexer_types=pattern, n_routed_experts=256, num_experts_per_tok=8,
+        n_group=1, topk_group=1, first_k_dense_replace=0, max_position_embeddings=1 << 20, vocab_size=154880,
+        torch_dtype="bfloat16", eos_token_id=[],
+    )
+    if fp8:
+        raw["quantization_config"] = FP8_QUANTIZATION
+    return raw
+
+
+def hbm_copy_gbs() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), median of 20."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / _median_ms(lambda: dst.copy_(src)) / 1e6
+
+
+def dense_tflops() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / _median_ms(lambda: a @ a) / 1e9
+
+
+def _median_ms(fn, repeats: int = 20) -> float:  # noqa: ANN001
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+class ExpertCounter:
+    """Counts the distinct experts the router picks per MoE layer during one untimed step."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.counts: list[int] = []
+        self._model = engine.executor.worker.model  # one rank: the engine's own process
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+
+    def __enter__(self) -> ExpertCounter:
+        for module in self._model.modules():
+            if isinstance(module, MoE):
+                self._hooks.append(module.gate.register_forward_hook(self._count))
+        return self
+
+    def _count(self, _module, _inputs, output) -> None:  # noqa: ANN001
+        self.counts.append(int(output[1].unique().numel()))
+
+    def __exit__(self, *exc: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+@dataclass
+class Measured:
+    step_ms: float
+    experts_per_layer: float
+
+
+def build_contexts(engine: LLMEngine, ctx: int, count: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `ctx + 1` tokens whose first `ctx` tokens' pages are cached, each on its own pages."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+    prompts = [torch.randint(10, vocab, (ctx + 1,), generator=gen).tolist() for _ in range(count)]
+    engine.generate([prompts[0]], [SamplingParams(max_tokens=1, ignore_eos=True)])
+    snap = snapshot_prefix(engine.kv, engine.executor, prompts[0])
+    mla, idx = snap.mla.cuda(), snap.indexer.cuda()
+    for prompt in prompts[1:]:
+        hashes = engine.kv.lookup_prefix(prompt)[0][: mla.shape[0]]
+        install_prefix(engine.kv, engine.executor, prompt, PrefixSnapshot(snap.num_tokens, hashes, mla, idx))
+    return prompts
+
+
+def measure(engine: LLMEngine, prompts: list[list[int]], warmup: int = 4, steps: int = 12) -> Measured:
+    """Median decode step time of the batch (after its prefill step and a warm-up)."""
+    params = SamplingParams(max_tokens=warmup + steps + 4, ignore_eos=True)
+    ids = [f"step-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts):
+        engine.add_request(rid, prompt, params)
+    while any(not r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill of each prompt's uncached tail
+    for _ in range(warmup):
+        engine.step()
+    with ExpertCounter(engine) as counter:
+        engine.step()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    while engine.has_unfinished():
+        engine.step()
+    return Measured(statistics.median(times), statistics.mean(counter.counts))
+
+
+def layer_floor(cfg: ModelConfig, fmt: WeightFormat, batch: int, ctx: int, experts: float, gbs: float,
+                tflops: float) -> tuple[float, float]:
+    """(bytes floor ms, flop floor ms) of one average layer of the step (one full indexer layer per four)."""
+    d = 2
+    expert = cfg.moe_intermediate_size
+    fp8 = fmt.is_fp8("experts")
+    per_expert = _linear_bytes(2 * expert, cfg.hidden_size, fp8, d) + _linear_bytes(cfg.hidden_size, expert, fp8, d)
+    weights = (_attention_bytes(cfg, cfg.num_attention_heads, fmt, d) + _indexer_bytes(cfg, fmt, d) / 4
+               + (experts + 1) * per_expert + cfg.n_routed_experts * cfg.hidden_size * d)
+    kv = batch * min(cfg.index_topk, ctx) * MLA_ROW_BYTES + batch * ctx * INDEXER_ROW_BYTES / 4
+    bytes_ms = (weights + kv) / gbs / 1e6
+    active = (_attention_bytes(cfg, cfg.num_attention_heads, WeightFormat(), 1)
+              + (cfg.num_experts_per_tok + 1) * 3 * cfg.hidden_size * expert)
+    attention = 2 * cfg.num_attention_heads * min(cfg.index_topk, ctx) * (cfg.kv_lora_rank * 2 + cfg.qk_rope_head_dim)
+    indexer = 2 * cfg.index_n_heads * ctx * cfg.index_head_dim / 4
+    flops_ms = batch * (2 * active + attention + indexer) / tflops / 1e9
+    return bytes_ms, flops_ms
+
+
+def run(args: argparse.Namespace, fp8: bool, layers: int, pages: int) -> dict[tuple[int, int], Measured]:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(rank_config(layers, fp8)))
+        engine = LLMEngine(EngineConfig(
+            model=tmp, dtype="bfloat16", kv_dtype="fp8", device="cuda", num_gpu_pages=pages, random_weights=True,
+            quantization="fp8" if fp8 else "none", max_num_seqs=max(args.batches),
+            max_num_batched_tokens=args.chunk, max_model_len=max(args.contexts) + 64, enable_prefix_cache=True))
+        results = {}
+        for ctx in args.contexts:
+            prompts = build_contexts(engine, ctx, max(args.batches), seed=ctx)
+            for batch in args.batches:
+                results[(ctx, batch)] = measure(engine, prompts[:batch])
+                logger.info("%s %d layers ctx %d B %d: %.2f ms", "fp8" if fp8 else "bf16", layers, ctx, batch,
+                            results[(ctx, batch)].step_ms)
+        engine.shutdown()
+        del engine
+        torch.cuda.empty_cache()
+        return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    parser.add_argument("--formats", nargs="+", default=["fp8", "bf16"])
+    parser.add_argument("--depths", type=int, nargs=2, default=[4, 8])
+    parser.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens of the prefill")
+    parser.add_argument("--pool-gib", type=float, default=60.0, help="KV pool of the engine")
+    parser.add_argument("--allreduce-us", type=float, default=10.0,
+                        help="one TP8 all-reduce of a decode batch's hidden states, for the 78-layer estimate")
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON lines here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    gbs, tflops = hbm_copy_gbs(), dense_tflops()
+    print(f"HBM copy {gbs:.0f} GB/s, bf16 dense matmul {tflops:.0f} TFLOP/s", flush=True)
+    rows = []
+    for name in args.formats:
+        fp8 = name == "fp8"
+        shallow, deep = args.depths
+        layout = KVLayout.for_model(ModelConfig.from_dict(rank_config(deep, fp8)), "fp8")
+        pages = int(args.pool_gib * 2**30 // layout.page_bytes)
+        t_shallow, t_deep = run(args, fp8, shallow, pages), run(args, fp8, deep, pages)
+        cfg = ModelConfig.from_dict(rank_config(deep, fp8))
+        fmt = WeightFormat("fp8" if fp8 else "dense")
+        for (ctx, batch), deep_m in t_deep.items():
+            per_layer = (deep_m.step_ms - t_shallow[(ctx, batch)].step_ms) / (deep - shallow)
+            fixed = t_shallow[(ctx, batch)].step_ms - shallow * per_layer
+            bytes_ms, flops_ms = layer_floor(cfg, fmt, batch, ctx, deep_m.experts_per_layer, gbs, tflops)
+            floor = max(bytes_ms, flops_ms)
+            full_step = fixed + 78 * (per_layer + 2 * args.allreduce_us / 1e3)
+            rows.append(dict(weights=name, ctx=ctx, B=batch, t_shallow_ms=t_shallow[(ctx, batch)].step_ms,
+                             t_deep_ms=deep_m.step_ms, per_layer_ms=per_layer, fixed_ms=fixed,
+                             experts=deep_m.experts_per_layer, floor_bytes_ms=bytes_ms, floor_flops_ms=flops_ms,
+                             x_floor=per_layer / floor, step78_ms=full_step, floor78_ms=78 * floor,
+                             x_floor78=full_step / (78 * floor)))
+            if args.out:
+                with args.out.open("a") as f:
+                    f.write(json.dumps(rows[-1]) + "\n")
+    print(f"\n{'w':4} {'ctx':>6} {'B':>4} {'t4':>7} {'t8':>7} {'layer':>7} {'fixed':>7} {'exp':>5} "
+          f"{'floorB':>7} {'floorF':>7} {'x-fl':>6} {'step78':>8} {'fl78':>7} {'x78':>6}")
+    for r in rows:
+        print(f"{r['weights']:4} {r['ctx']:>6} {r['B']:>4} {r['t_shallow_ms']:7.2f} {r['t_deep_ms']:7.2f} "
+              f"{r['per_layer_ms']:7.3f} {r['fixed_ms']:7.2f} {r['experts']:5.0f} {r['floor_bytes_ms']:7.3f} "
+              f"{r['floor_flops_ms']:7.3f} {r['x_floor']:6.1f} {r['step78_ms']:8.1f} {r['floor78_ms']:7.2f} "
+              f"{r['x_floor78']:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
