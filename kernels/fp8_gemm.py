@@ -94,8 +94,8 @@ class FP8GemmConfig:
             kb = triton.cdiv(k, FP8_BLOCK)
             split = max(1, min(triton.cdiv(num_sms, tiles), kb // 4))  # few tiles (small N): split K too
             return cls(block_m=64, block_n=64, split_k=triton.cdiv(kb, triton.cdiv(kb, split)), num_stages=3)
-        if m <= 16:  # quantising x in every weight tile costs ALU in proportion to block_m / block_n
-            block_m, fuse, swap = 16, True, True
+        if m <= 16:  # x is quantised by its own launch: inside every weight tile it left the kernel ALU-bound
+            block_m, fuse, swap = 16, False, True
         elif m <= 32:
             block_m, fuse, swap = 32, False, True
         else:

@@ -15,9 +15,11 @@ pass -1). Weight formats:
   ceil(H/128)] and `w2_scale_inv` [E, ceil(H/128), I/128] (I % 128 == 0, so no
   block mixes gate and up rows): x, and the intermediate before the down
   projection, are quantised per token and 128-column group exactly as
-  `kernels.fp8_gemm.quantize_activations_ref` does (inside the GEMM tiles, no
-  extra launch), fp8 `tl.dot` per 128-deep K block, and the two scales multiply
-  each block's float32 partial (DeepSeek's recipe).
+  `kernels.fp8_gemm.quantize_activations_ref` does (one `quantize_activations`
+  launch before each GEMM: quantising inside the tiles repeated the work in every
+  weight tile of a block and left the decode kernels ALU-bound), fp8 `tl.dot`
+  per 128-deep K block, and the two scales multiply each block's float32
+  partial (DeepSeek's recipe).
 The intermediate silu(gate) * up is rounded to x.dtype, each slot's weighted
 down projection is rounded to x.dtype, and the k slots of a token are summed in
 float32 in slot order (deterministic), then written in x.dtype.
@@ -33,6 +35,7 @@ Launches (`fused_moe`):
 3. down: one program per (block, BLOCK_N columns of H); multiplies by the
    routing weight and writes each slot's row of [T*k, H].
 4. a sum over the k slots of each token into out [T, H].
+(fp8 weights add the two quantisation launches.)
 No host synchronisation; every shape depends only on (T, k, E, H, I), never on
 the routing: the whole call is CUDA-graph capturable.
 
@@ -53,9 +56,9 @@ import triton.language as tl
 from kernels.fp8_gemm import (
     FP8_BLOCK,
     _interpreting,
-    _quantize_groups,
     _soft_cvt,
     dequantize_weight_blocks,
+    quantize_activations,
     quantize_activations_ref,
 )
 
@@ -326,9 +329,9 @@ def _mma(a, w, acc, a_s, w_s, FP8: tl.constexpr, IEEE: tl.constexpr, SWAP_AB: tl
 
 @triton.jit(do_not_specialize=["num_slots"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, ws_ptr, sorted_ptr, eob_ptr, npad_ptr, h_ptr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_ptr, eob_ptr, npad_ptr, h_ptr,
     num_slots, top_k, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_hm,
+    stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_hm,
     FP8: tl.constexpr, SOFT_CVT: tl.constexpr, IEEE: tl.constexpr, COMPUTE: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -360,9 +363,9 @@ def _gate_up_kernel(
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & kmask[None, :], other=0.0)
         wg = tl.load(g_ptrs + k0, mask=cmask[:, None] & kmask[None, :], other=0.0)
         wu = tl.load(u_ptrs + k0, mask=cmask[:, None] & kmask[None, :], other=0.0)
-        if FP8:
-            a, a_s = _quantize_groups(a.to(tl.float32), SOFT_CVT)
+        if FP8:  # x was quantised once per token and 128 columns before the launch
             kb = k0 // BLOCK_K
+            a_s = tl.load(xs_ptr + tok * stride_xst + kb, mask=valid, other=0.0)
             gs = tl.load(gs_ptrs + kb * stride_wsk, mask=cmask, other=0.0)
             us = tl.load(us_ptrs + kb * stride_wsk, mask=cmask, other=0.0)
         else:
@@ -382,9 +385,9 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_slots"])
 def _down_kernel(
-    h_ptr, w_ptr, ws_ptr, sorted_ptr, eob_ptr, npad_ptr, tw_ptr, y_ptr,
+    h_ptr, hs_ptr, w_ptr, ws_ptr, sorted_ptr, eob_ptr, npad_ptr, tw_ptr, y_ptr,
     num_slots, top_k, hidden, inter,
-    stride_hm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_twt, stride_twj, stride_ym,
+    stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_twt, stride_twj, stride_ym,
     FP8: tl.constexpr, SOFT_CVT: tl.constexpr, IEEE: tl.constexpr, COMPUTE: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -411,8 +414,8 @@ def _down_kernel(
         kmask = (k0 + kk) < inter
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=cmask[:, None] & kmask[None, :], other=0.0)
-        if FP8:
-            a, a_s = _quantize_groups(a.to(tl.float32), SOFT_CVT)
+        if FP8:  # the intermediate was quantised once per row and 128 columns between the launches
+            a_s = tl.load(hs_ptr + rows.to(tl.int64) * stride_hsm + k0 // BLOCK_K, mask=valid, other=0.0)
             ws = tl.load(s_ptrs + (k0 // BLOCK_K) * stride_wsk, mask=cmask, other=0.0)
         else:
             a = a.to(COMPUTE)
@@ -582,18 +585,21 @@ def fused_moe(
     s2 = w2_scale_inv if fp8 else x
     s13_strides = w13_scale_inv.stride() if fp8 else (0, 0, 0)
     s2_strides = w2_scale_inv.stride() if fp8 else (0, 0, 0)
+    # fp8: activations are quantised once (per token and 128 columns), not in every weight tile that reads them
+    xq, xs = quantize_activations(x) if fp8 else (x, x)
     _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), max_blocks)](
-        x, w13, s13, sorted_ids, eob, num_padded, act,
+        xq, xs, w13, s13, sorted_ids, eob, num_padded, act,
         t * k, k, h, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, act.stride(0),
+        xq.stride(0), xs.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1), *s13_strides, act.stride(0),
         FP8=fp8, SOFT_CVT=soft, IEEE=ieee, COMPUTE=compute, SWAP_AB=cfg.swap_ab,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    actq, acts = quantize_activations(act) if fp8 else (act, act)
     _down_kernel[(triton.cdiv(h, cfg.block_n_down), max_blocks)](
-        act, w2, s2, sorted_ids, eob, num_padded, topk_weights, y,
+        actq, acts, w2, s2, sorted_ids, eob, num_padded, topk_weights, y,
         t * k, k, h, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), *s2_strides, topk_weights.stride(0), topk_weights.stride(1),
+        actq.stride(0), acts.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1), *s2_strides, topk_weights.stride(0), topk_weights.stride(1),
         y.stride(0),
         FP8=fp8, SOFT_CVT=soft, IEEE=ieee, COMPUTE=compute, SWAP_AB=cfg.swap_ab,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,

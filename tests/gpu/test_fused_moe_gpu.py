@@ -32,6 +32,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 H, I, E, K = 6144, 256, 256, 8
 TOKENS = (1, 8, 64, 128, 2048)
 NORM_TOL, MAX_TOL = 5e-3, 2e-2  # of ||ref||, of max |ref| (bf16 output: 1 ulp is 2^-8 relative)
+# fp8 weights: a bf16 intermediate that rounds the other way (summation order) can re-quantise to the
+# neighbouring e4m3 value, a 2^-4 relative step on that element, and fp8 tensor-core dots accumulate with
+# fewer bits than float32: twice the bf16 bounds.
+FP8_NORM_TOL, FP8_MAX_TOL = 1e-2, 4e-2
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +80,8 @@ def check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     norm_err = (diff.norm() / ref.double().norm().clamp_min(1e-30)).item()
     max_err = (diff.abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
     print(f"{what}: |err| / |ref| = {norm_err:.2e}, max err / max |ref| = {max_err:.2e}")
-    assert norm_err <= NORM_TOL and max_err <= MAX_TOL, what
+    norm_tol, max_tol = (FP8_NORM_TOL, FP8_MAX_TOL) if what.startswith("fp8") else (NORM_TOL, MAX_TOL)
+    assert norm_err <= norm_tol and max_err <= max_tol, what
 
 
 @pytest.mark.parametrize("t", TOKENS)
