@@ -9,7 +9,10 @@ fixed cost (scheduling, sampling, output): per layer = (t8 - t4) / 4, fixed = t4
 Contexts are built without computing them B times: one prompt is prefilled, its cached pages are
 copied (device to device) under every other request's prefix hashes, so each of the B requests owns
 distinct pages of valid KV, read from HBM like any other; decode steps then run through the engine
-(`LLMEngine.step`: schedule, forward, sample, outputs), timed after a warm-up.
+(`LLMEngine.step`: schedule, forward, sample, outputs), timed after a warm-up. Each step is also
+measured by the GPU time of its kernels (torch.profiler, three more steps): the wall time per layer
+includes launching roughly a hundred kernels from Python, the device time per layer is what the
+layer costs once the step is captured in a CUDA graph.
 
 The floor of one layer of one step is the bytes it must read from HBM: the weights the batch touches
 (attention, the indexer's on full layers, the router, and every distinct expert the batch routes to,
@@ -117,8 +120,19 @@ class ExpertCounter:
 
 @dataclass
 class Measured:
-    step_ms: float
+    step_ms: float  # wall time of a decode step (host work included)
+    device_ms: float  # GPU kernel time of a decode step (what the step costs once launches are free)
     experts_per_layer: float
+
+
+def device_ms_per_step(engine: LLMEngine, steps: int = 3) -> float:
+    """Sum of the GPU kernels' own time over `steps` decode steps (torch.profiler), per step."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e3 / steps
 
 
 def build_contexts(engine: LLMEngine, ctx: int, count: int, seed: int) -> list[list[int]]:
@@ -128,7 +142,8 @@ def build_contexts(engine: LLMEngine, ctx: int, count: int, seed: int) -> list[l
     prompts = [torch.randint(10, vocab, (ctx + 1,), generator=gen).tolist() for _ in range(count)]
     engine.generate([prompts[0]], [SamplingParams(max_tokens=1, ignore_eos=True)])
     snap = snapshot_prefix(engine.kv, engine.executor, prompts[0])
-    mla, idx = snap.mla.cuda(), snap.indexer.cuda()
+    device = engine.executor.kv_pool.device  # copies stay on the device: no host round trip per request
+    mla, idx = snap.mla.to(device), snap.indexer.to(device)
     for prompt in prompts[1:]:
         hashes = engine.kv.lookup_prefix(prompt)[0][: mla.shape[0]]
         install_prefix(engine.kv, engine.executor, prompt, PrefixSnapshot(snap.num_tokens, hashes, mla, idx))
@@ -137,7 +152,7 @@ def build_contexts(engine: LLMEngine, ctx: int, count: int, seed: int) -> list[l
 
 def measure(engine: LLMEngine, prompts: list[list[int]], warmup: int = 4, steps: int = 12) -> Measured:
     """Median decode step time of the batch (after its prefill step and a warm-up)."""
-    params = SamplingParams(max_tokens=warmup + steps + 4, ignore_eos=True)
+    params = SamplingParams(max_tokens=warmup + steps + 8, ignore_eos=True)
     ids = [f"step-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts):
         engine.add_request(rid, prompt, params)
@@ -154,9 +169,28 @@ def measure(engine: LLMEngine, prompts: list[list[int]], warmup: int = 4, steps:
         engine.step()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
+    device = device_ms_per_step(engine)
     while engine.has_unfinished():
         engine.step()
-    return Measured(statistics.median(times), statistics.mean(counter.counts))
+    return Measured(statistics.median(times), device, statistics.mean(counter.counts))
+
+
+def profile_steps(engine: LLMEngine, prompts: list[list[int]], path: Path) -> None:
+    """Writes the host and device time of every op over three decode steps (torch.profiler) to `path`."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{i}", prompt, params)
+    for _ in range(6):
+        engine.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=60)
+    path.write_text(table + "\n\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
+                                                                max_name_column_width=60))
 
 
 def layer_floor(cfg: ModelConfig, fmt: WeightFormat, batch: int, ctx: int, experts: float, gbs: float,
@@ -188,6 +222,8 @@ def run(args: argparse.Namespace, fp8: bool, layers: int, pages: int) -> dict[tu
         results = {}
         for ctx in args.contexts:
             prompts = build_contexts(engine, ctx, max(args.batches), seed=ctx)
+            if args.profile is not None:
+                profile_steps(engine, prompts[: args.profile_batch], args.profile / f"profile-{layers}l-{ctx}.txt")
             for batch in args.batches:
                 results[(ctx, batch)] = measure(engine, prompts[:batch])
                 logger.info("%s %d layers ctx %d B %d: %.2f ms", "fp8" if fp8 else "bf16", layers, ctx, batch,
@@ -209,6 +245,8 @@ def main() -> None:
     parser.add_argument("--allreduce-us", type=float, default=10.0,
                         help="one TP8 all-reduce of a decode batch's hidden states, for the 78-layer estimate")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON lines here")
+    parser.add_argument("--profile", type=Path, default=None, help="folder for a torch.profiler table per depth")
+    parser.add_argument("--profile-batch", type=int, default=8)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     gbs, tflops = hbm_copy_gbs(), dense_tflops()
@@ -223,26 +261,29 @@ def main() -> None:
         cfg = ModelConfig.from_dict(rank_config(deep, fp8))
         fmt = WeightFormat("fp8" if fp8 else "dense")
         for (ctx, batch), deep_m in t_deep.items():
-            per_layer = (deep_m.step_ms - t_shallow[(ctx, batch)].step_ms) / (deep - shallow)
-            fixed = t_shallow[(ctx, batch)].step_ms - shallow * per_layer
+            shallow_m = t_shallow[(ctx, batch)]
+            per_layer = (deep_m.step_ms - shallow_m.step_ms) / (deep - shallow)
+            fixed = shallow_m.step_ms - shallow * per_layer
+            device_layer = (deep_m.device_ms - shallow_m.device_ms) / (deep - shallow)
             bytes_ms, flops_ms = layer_floor(cfg, fmt, batch, ctx, deep_m.experts_per_layer, gbs, tflops)
             floor = max(bytes_ms, flops_ms)
             full_step = fixed + 78 * (per_layer + 2 * args.allreduce_us / 1e3)
-            rows.append(dict(weights=name, ctx=ctx, B=batch, t_shallow_ms=t_shallow[(ctx, batch)].step_ms,
+            rows.append(dict(weights=name, ctx=ctx, B=batch, t_shallow_ms=shallow_m.step_ms,
                              t_deep_ms=deep_m.step_ms, per_layer_ms=per_layer, fixed_ms=fixed,
+                             device_layer_ms=device_layer, x_floor_device=device_layer / floor,
                              experts=deep_m.experts_per_layer, floor_bytes_ms=bytes_ms, floor_flops_ms=flops_ms,
                              x_floor=per_layer / floor, step78_ms=full_step, floor78_ms=78 * floor,
                              x_floor78=full_step / (78 * floor)))
             if args.out:
                 with args.out.open("a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
-    print(f"\n{'w':4} {'ctx':>6} {'B':>4} {'t4':>7} {'t8':>7} {'layer':>7} {'fixed':>7} {'exp':>5} "
-          f"{'floorB':>7} {'floorF':>7} {'x-fl':>6} {'step78':>8} {'fl78':>7} {'x78':>6}")
+    print(f"\n{'w':4} {'ctx':>6} {'B':>4} {'t4':>7} {'t8':>7} {'layer':>7} {'fixed':>7} {'dev/l':>7} {'exp':>5} "
+          f"{'floorB':>7} {'floorF':>7} {'x-fl':>6} {'x-dev':>6} {'step78':>8} {'fl78':>7} {'x78':>6}")
     for r in rows:
         print(f"{r['weights']:4} {r['ctx']:>6} {r['B']:>4} {r['t_shallow_ms']:7.2f} {r['t_deep_ms']:7.2f} "
-              f"{r['per_layer_ms']:7.3f} {r['fixed_ms']:7.2f} {r['experts']:5.0f} {r['floor_bytes_ms']:7.3f} "
-              f"{r['floor_flops_ms']:7.3f} {r['x_floor']:6.1f} {r['step78_ms']:8.1f} {r['floor78_ms']:7.2f} "
-              f"{r['x_floor78']:6.1f}")
+              f"{r['per_layer_ms']:7.3f} {r['fixed_ms']:7.2f} {r['device_layer_ms']:7.3f} {r['experts']:5.0f} "
+              f"{r['floor_bytes_ms']:7.3f} {r['floor_flops_ms']:7.3f} {r['x_floor']:6.1f} {r['x_floor_device']:6.1f} "
+              f"{r['step78_ms']:8.1f} {r['floor78_ms']:7.2f} {r['x_floor78']:6.1f}")
 
 
 if __name__ == "__main__":
