@@ -81,7 +81,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.layout = KVLayout.for_model(self.model_config, config.kv_format)
         self.device = torch.device(config.device)
-        check_shardable(self.model_config, config.tensor_parallel_size)
+        weight_format = config.weight_format(self.model_config.fp8_block_checkpoint)
+        check_shardable(self.model_config, config.tensor_parallel_size, weight_format.kind == "fp8")
         spec = WorkerSpec(
             model_dir=config.model,
             dtype=config.torch_dtype,
@@ -89,7 +90,7 @@ class LLMEngine:
             device_type=self.device.type,
             tp_size=config.tensor_parallel_size,
             random_seed=config.seed if config.random_weights else None,
-            weight_format=config.weight_format(self.model_config.fp8_block_checkpoint),
+            weight_format=weight_format,
         )
         self.executor = make_executor(spec, config.executor, self.device, config.max_num_seqs,
                                       self.model_config.vocab_size)

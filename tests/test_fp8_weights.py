@@ -145,3 +145,9 @@ def test_fp8_slices_load_per_rank_from_the_checkpoint(tmp_path: Path) -> None:
         assert torch.equal(part.model.layers[1].mlp.experts.w2.view(torch.uint8), down.view(torch.uint8))
         o_proj = whole.model.layers[0].self_attn.o_proj.weight_scale_inv.chunk(2, dim=1)[rank]
         assert torch.equal(part.model.layers[0].self_attn.o_proj.weight_scale_inv, o_proj)
+
+
+def test_tensor_parallel_sizes_that_split_a_scale_block_are_refused(fp8_dir: Path) -> None:
+    with pytest.raises(ValueError, match="q_b_proj rows .* is 96, not a multiple of 128"):
+        make_engine(fp8_dir, dtype="bfloat16", tensor_parallel_size=2)
+    make_engine(fp8_dir, dtype="bfloat16", quantization="none", tensor_parallel_size=2).shutdown()

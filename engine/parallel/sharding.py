@@ -41,6 +41,8 @@ import re
 
 from engine.model_config import ModelConfig
 
+_FP8_BLOCK = 128  # rows and columns of one FP8 weight scale block
+
 _ROW_SPLIT = re.compile(
     r"\.self_attn\.(q_b_proj|kv_b_proj)\.weight$|\.mlp\.(experts\.\d+\.|shared_experts\.)?(gate_proj|up_proj)\.weight$"
 )
@@ -56,8 +58,9 @@ def shard_dim(name: str) -> int | None:
     return None
 
 
-def check_shardable(cfg: ModelConfig, size: int) -> None:
-    """Raises ValueError naming the first dimension that `size` ranks cannot split evenly."""
+def check_shardable(cfg: ModelConfig, size: int, fp8: bool = False) -> None:
+    """Raises ValueError naming the first dimension that `size` ranks cannot split evenly, or, with FP8
+    weights, whose per-rank part does not lie on 128-wide scale blocks (a block would straddle two ranks)."""
     dims = {
         "num_attention_heads": cfg.num_attention_heads,
         "intermediate_size": cfg.intermediate_size,
@@ -66,3 +69,16 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
     for what, n in dims.items():
         if n % size:
             raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={size}")
+    if not fp8 or size == 1:  # one rank reads whole tensors: partial edge blocks are fine
+        return
+    heads = cfg.num_attention_heads // size
+    per_rank = {
+        "q_b_proj rows (heads x qk_head_dim)": heads * cfg.qk_head_dim,
+        "o_proj columns (heads x v_head_dim)": heads * cfg.v_head_dim,
+        "intermediate_size": cfg.intermediate_size // size,
+        "moe_intermediate_size": cfg.moe_intermediate_size // size,
+    }
+    for what, n in per_rank.items():
+        if n % _FP8_BLOCK:
+            raise ValueError(f"FP8 weights at tensor_parallel_size={size}: each rank's {what} is {n}, not a "
+                             f"multiple of {_FP8_BLOCK}; use a smaller size or --quantization none")
