@@ -28,9 +28,10 @@ One launch shape per problem (`FP8GemmConfig.for_problem`):
 - large M (prefill): x is quantised once by `quantize_activations`, then a tiled
   fp8 GEMM with an L2-friendly program order (128x128 tiles, smaller ones or a
   split when that leaves fewer programs than SMs).
-Defaults: M <= 16 fused, swapped, 16-token tiles; M <= 32 swapped, 32-token
-tiles; M <= 128 64x64 or 64x128 tiles; all with split-K up to about two
-programs per SM while float32 partials stay under half the weight bytes.
+Defaults (swept on an H200): x quantised by its own launch; M <= 16 swapped
+16-token tiles; M <= 32 swapped 32-token tiles; M <= 128 64x64 tiles; all with
+64-row weight tiles and split-K up to about one program per SM while float32
+partials stay under half the weight bytes.
 
 fp32 -> fp8 rounding: under the Triton interpreter `.to(tl.float8e4nv)` does not
 round to nearest even (ties go away from zero, subnormals are truncated), so the
@@ -84,8 +85,8 @@ class FP8GemmConfig:
 
     @classmethod
     def for_problem(cls, m: int, n: int, k: int, num_sms: int = _DEFAULT_SMS) -> "FP8GemmConfig":
-        """Default tiles for out[m, n] = x[m, k] W[n, k]^T. Not yet tuned on an H200 (bench/fp8_gemm.py
-        times candidates next to these): decode shapes aim for about two programs per SM."""
+        """Default tiles for out[m, n] = x[m, k] W[n, k]^T; decode shapes from the H200 sweep of
+        bench/fp8_gemm.py (about one program per SM)."""
         if m > 128:  # prefill: compute-bound; the largest tiles that still give a program per SM
             for bm, bn, warps in ((128, 128, 8), (64, 128, 4), (64, 64, 4)):
                 tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -100,9 +101,9 @@ class FP8GemmConfig:
             block_m, fuse, swap = 32, False, True
         else:
             block_m, fuse, swap = 64, False, False
-        # 128-row weight tiles unless that leaves too few programs even at the largest split
-        wide = triton.cdiv(m, block_m) * triton.cdiv(n, 128) * cls.max_split(m, k) >= 2 * num_sms
-        block_n = 128 if wide else 64
+        # 64-row weight tiles, split K to about one program per SM: the H200 sweep's best at M = 1-64 for every
+        # GLM-5.3 shape (bench/RESULTS.md, 2026-11-30: 10-20 % below 128-row tiles at two programs per SM)
+        block_n = 64
         return cls(block_m=block_m, block_n=block_n, split_k=cls.split_for(m, n, k, block_m, block_n, num_sms),
                    fuse_quant=fuse, swap_ab=swap, num_warps=4, num_stages=4)
 
@@ -114,10 +115,10 @@ class FP8GemmConfig:
 
     @classmethod
     def split_for(cls, m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int = _DEFAULT_SMS) -> int:
-        """K ranges so that tiles x ranges reach about two programs per SM (no empty ranges)."""
+        """K ranges so that tiles x ranges reach about one program per SM (no empty ranges)."""
         kb = triton.cdiv(k, FP8_BLOCK)
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        split = max(1, min(triton.cdiv(2 * num_sms, tiles), cls.max_split(m, k)))
+        split = max(1, min(triton.cdiv(num_sms, tiles), cls.max_split(m, k)))
         return triton.cdiv(kb, triton.cdiv(kb, split))
 
 

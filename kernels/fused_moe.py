@@ -94,8 +94,8 @@ class FusedMoEConfig:
     @classmethod
     def for_problem(cls, num_tokens: int, top_k: int, num_experts: int, *,
                     weight_dtype: torch.dtype = torch.bfloat16) -> "FusedMoEConfig":
-        """Defaults for T tokens with k slots over E experts (not yet tuned on an H200: vLLM's H200 tiles for
-        E=256, I=256 are the starting point; `python bench/fused_moe.py --sweep` measures candidates)."""
+        """Defaults for T tokens with k slots over E experts: vLLM's H200 tiles for E=256, I=256 as the start,
+        decode tiles from `python bench/fused_moe.py --sweep` on an H200 (bench/RESULTS.md, 2026-11-30)."""
         if weight_dtype == torch.float32:  # IEEE float32 dots (tests): small tiles, two stages fit in shared memory
             return cls(block_m=16, block_n=32, block_n_down=64, num_stages=2, num_stages_down=2)
         rows_per_expert = num_tokens * top_k / max(num_experts, 1)
@@ -103,8 +103,10 @@ class FusedMoEConfig:
             return cls(block_m=64, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3)
         # decode: memory-bound on the touched experts' weights; few experts touched -> narrower gate/up
         # tiles so that enough programs stream weights at once
-        block_n = 32 if num_tokens * top_k <= 64 else 64
-        return cls(block_m=16, block_n=block_n, block_n_down=128, num_stages=4, num_stages_down=4)
+        if num_tokens * top_k <= 64:
+            return cls(block_m=16, block_n=32, block_n_down=128, num_stages=4, num_stages_down=4)
+        # measured best from T = 8 up (fp8 weights, T = 64: 297 against 327 us): shallower pipelines, swapped operands
+        return cls(block_m=16, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3, swap_ab=True)
 
 
 def moe_align_sizes(num_slots: int, num_experts: int, block_m: int) -> tuple[int, int]:
