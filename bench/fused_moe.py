@@ -39,7 +39,8 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from kernels.fp8_gemm import fp8_block_linear, quantize_weight_blocks  # noqa: E402
-from kernels.fused_moe import FusedMoEConfig, fused_moe, moe_align  # noqa: E402
+from kernels.fused_moe import FusedMoEConfig, fused_moe  # noqa: E402
+from kernels.moe_align import moe_align  # noqa: E402
 
 H, I, E, K = 6144, 256, 256, 8
 TOKENS = (1, 8, 32, 64, 128)

@@ -39,14 +39,13 @@ Launches (`fused_moe`):
 No host synchronisation; every shape depends only on (T, k, E, H, I), never on
 the routing: the whole call is CUDA-graph capturable.
 
-Contents: the PyTorch twins `moe_align_ref` / `fused_moe_ref`, the Triton
-kernels, and the launchers `moe_align` / `fused_moe`.
+Contents: the PyTorch twin `fused_moe_ref`, the Triton kernels and the
+launcher `fused_moe` (the alignment is `kernels.moe_align`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,19 +60,12 @@ from kernels.fp8_gemm import (
     quantize_activations,
     quantize_activations_ref,
 )
+from kernels.moe_align import ID_DTYPES, moe_align
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _W_DTYPES = _ACT_DTYPES + (torch.float8_e4m3fn,)
-_ID_DTYPES = (torch.int32, torch.int64)
 _COMPUTE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-ALIGN_CHUNK = 128  # slots per program of the alignment launches (one program, one launch, up to this many)
 _MAX_GRID_Y = 65535
-
-
-class MoEAlignment(NamedTuple):
-    sorted_ids: torch.Tensor  # [max_padded] int32 slot indices t*k + j grouped by expert; sentinel T*k pads
-    expert_of_block: torch.Tensor  # [max_blocks] int32 expert of each BLOCK_M block; -1 past num_padded
-    num_padded: torch.Tensor  # [1] int32 slots in use (a multiple of BLOCK_M)
 
 
 @dataclass(frozen=True)
@@ -109,42 +101,7 @@ class FusedMoEConfig:
         return cls(block_m=16, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3, swap_ab=True)
 
 
-def moe_align_sizes(num_slots: int, num_experts: int, block_m: int) -> tuple[int, int]:
-    """(max_padded, max_blocks) of `moe_align`: at most min(E, T*k) experts hold slots, each padded by at most
-    block_m - 1, so max_padded = T*k + min(E, T*k) * (block_m - 1) rounded up to block_m."""
-    busy = min(num_experts, num_slots)
-    max_padded = triton.cdiv(num_slots + busy * (block_m - 1), block_m) * block_m
-    return max_padded, max_padded // block_m
-
-
 # --- PyTorch twins -------------------------------------------------------------------
-
-
-def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
-    """Plain PyTorch alignment (stable sort), equal to `moe_align` element for element."""
-    _check_align(topk_ids, num_experts, block_m, kernel=False)
-    dev = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    n = flat.numel()
-    max_padded, max_blocks = moe_align_sizes(n, num_experts, block_m)
-    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
-    order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = padded.cumsum(0)
-    starts = ends - padded
-    skey = key[order]
-    ok = skey < num_experts
-    e = skey.clamp(max=num_experts - 1)
-    first = (counts.cumsum(0) - counts)[e]  # sorted position of each expert's first slot
-    dest = starts[e] + torch.arange(n, device=dev) - first
-    sorted_ids = torch.full((max_padded,), n, dtype=torch.int32, device=dev)
-    sorted_ids[dest[ok]] = order[ok].to(torch.int32)
-    num_padded = padded.sum()
-    blocks = torch.arange(max_blocks, device=dev) * block_m
-    eob = torch.searchsorted(ends, blocks, right=True)
-    eob = torch.where(blocks < num_padded, eob, torch.full_like(eob, -1)).to(torch.int32)
-    return MoEAlignment(sorted_ids, eob, num_padded.reshape(1).to(torch.int32))
 
 
 def _dequant_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -195,99 +152,6 @@ def fused_moe_ref(
 
 
 # --- Triton kernels ------------------------------------------------------------------
-
-
-@triton.jit
-def _load_ids(ids_ptr, offs, num_slots, num_experts, top_k, stride_it, stride_ij):
-    inb = offs < num_slots
-    e = tl.load(ids_ptr + (offs // top_k) * stride_it + (offs % top_k) * stride_ij, mask=inb, other=-1).to(tl.int32)
-    return e, inb & (e >= 0) & (e < num_experts)
-
-
-@triton.jit
-def _count_chunk(ids_ptr, start, num_slots, num_experts, top_k, stride_it, stride_ij,
-                 BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
-    """Slots per expert among slots start .. start + CHUNK - 1 (one-hot sums over SUB slots at a time)."""
-    ex = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for i0 in range(0, CHUNK, SUB):
-        e, ok = _load_ids(ids_ptr, start + i0 + tl.arange(0, SUB), num_slots, num_experts, top_k, stride_it, stride_ij)
-        counts += tl.sum(((e[:, None] == ex[None, :]) & ok[:, None]).to(tl.int32), axis=0)
-    return counts
-
-
-@triton.jit(do_not_specialize=["num_slots"])
-def _align_count_kernel(ids_ptr, hist_ptr, num_slots, num_experts, top_k, stride_it, stride_ij,
-                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
-    c = tl.program_id(0)
-    counts = _count_chunk(ids_ptr, c * CHUNK, num_slots, num_experts, top_k, stride_it, stride_ij, BLOCK_E, CHUNK, SUB)
-    tl.store(hist_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), counts)
-
-
-@triton.jit(do_not_specialize=["num_slots", "num_chunks", "max_padded", "max_blocks"])
-def _align_scatter_kernel(
-    ids_ptr, hist_ptr, base_ptr, sorted_ptr, eob_ptr, npad_ptr,
-    num_slots, num_experts, num_chunks, max_padded, max_blocks, top_k, stride_it, stride_ij,
-    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SINGLE: tl.constexpr,
-    HIST_ROWS: tl.constexpr, TAIL: tl.constexpr, SUB: tl.constexpr, PAD: tl.constexpr,
-):
-    c = tl.program_id(0)
-    ex = tl.arange(0, BLOCK_E)
-    idx = tl.arange(0, CHUNK)
-    offs = c * CHUNK + idx
-    e, ok = _load_ids(ids_ptr, offs, num_slots, num_experts, top_k, stride_it, stride_ij)
-    # Counts per expert over all slots, and over the slots of the chunks before this one.
-    if SINGLE:
-        total = _count_chunk(ids_ptr, 0, num_slots, num_experts, top_k, stride_it, stride_ij, BLOCK_E, CHUNK, SUB)
-        before = tl.zeros([BLOCK_E], dtype=tl.int32)
-    else:
-        total = tl.zeros([BLOCK_E], dtype=tl.int32)
-        before = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for r0 in range(0, num_chunks, HIST_ROWS):
-            rows = r0 + tl.arange(0, HIST_ROWS)
-            hist = tl.load(hist_ptr + rows[:, None] * BLOCK_E + ex[None, :], mask=rows[:, None] < num_chunks, other=0)
-            total += tl.sum(hist, axis=0)
-            before += tl.sum(tl.where(rows[:, None] < c, hist, 0), axis=0)
-    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    num_padded = tl.sum(padded, axis=0)
-
-    # Slots: the expert's start, the earlier chunks' slots of the expert, the earlier slots of this chunk
-    # (ranks in sub-blocks of SUB slots against the whole chunk, to keep the comparison tile small).
-    tl.store(base_ptr + c * BLOCK_E + ex, starts + before)
-    tl.debug_barrier()  # the stores above are read back (gathered by expert) below
-    for i0 in range(0, CHUNK, SUB):
-        sub = i0 + tl.arange(0, SUB)
-        e_i, ok_i = _load_ids(ids_ptr, c * CHUNK + sub, num_slots, num_experts, top_k, stride_it, stride_ij)
-        same = (e_i[:, None] == e[None, :]) & (idx[None, :] < sub[:, None]) & ok[None, :]
-        rank = tl.sum(same.to(tl.int32), axis=1)
-        pos = tl.load(base_ptr + c * BLOCK_E + tl.where(ok_i, e_i, 0), mask=ok_i, other=0, cache_modifier=".cg")
-        tl.store(sorted_ptr + pos + rank, c * CHUNK + sub, mask=ok_i)
-
-    # Padding after each expert's slots (experts e with e % num_chunks == c), PAD columns at a time.
-    mine = (ex % num_chunks) == c
-    pad_end = padded - total
-    for j0 in range(0, BLOCK_M, PAD):
-        col = j0 + tl.arange(0, PAD)
-        pad_mask = mine[:, None] & (col[None, :] < pad_end[:, None])
-        tl.store(sorted_ptr + (starts + total)[:, None] + col[None, :], num_slots, mask=pad_mask)
-
-    # Expert of each block in use, -1 after; sentinel after num_padded.
-    nblk = padded // BLOCK_M
-    sblk = starts // BLOCK_M
-    for r in range(c, tl.max(nblk, axis=0), num_chunks):
-        tl.store(eob_ptr + sblk + r, ex, mask=r < nblk)
-    used_blocks = num_padded // BLOCK_M
-    for t0 in range(c * TAIL, max_blocks, num_chunks * TAIL):
-        b = t0 + tl.arange(0, TAIL)
-        tl.store(eob_ptr + b, tl.full([TAIL], -1, tl.int32), mask=(b >= used_blocks) & (b < max_blocks))
-    for t0 in range(c * TAIL, max_padded, num_chunks * TAIL):
-        p = t0 + tl.arange(0, TAIL)
-        tl.store(sorted_ptr + p, tl.zeros([TAIL], dtype=tl.int32) + num_slots,
-                 mask=(p >= num_padded) & (p < max_padded))
-    if c == 0:
-        tl.store(npad_ptr, num_padded)
 
 
 @triton.jit
@@ -455,54 +319,6 @@ def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, hidden, num_experts, stride_it, s
 # --- launchers -----------------------------------------------------------------------
 
 
-def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool) -> None:
-    if topk_ids.dim() != 2 or topk_ids.dtype not in _ID_DTYPES:
-        raise ValueError(f"topk_ids must be int32/int64 [T, k], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
-    if topk_ids.shape[1] < 1:
-        raise ValueError("topk_ids must have k >= 1 columns")
-    if not isinstance(num_experts, int) or not 1 <= num_experts <= 1024:
-        raise ValueError(f"num_experts must be an int in [1, 1024], got {num_experts!r}")
-    if not isinstance(block_m, int) or block_m < 1 or block_m > 256 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two in [1, 256], got {block_m!r}")
-    if topk_ids.numel() >= 2**30:
-        raise ValueError("too many slots (T*k must stay below 2**30)")
-    if kernel and topk_ids.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"topk_ids is on {topk_ids.device}: the Triton kernels need CUDA tensors "
-                         "(or TRITON_INTERPRET=1)")
-
-
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
-    """Triton: slots t*k + j grouped by expert (ascending within an expert), each expert's run padded to a
-    multiple of block_m with the sentinel T*k; sizes from `moe_align_sizes`. Blocks of sorted_ids at and
-    after num_padded hold the sentinel and expert -1. Ids outside [0, E) are left out. No host sync."""
-    _check_align(topk_ids, num_experts, block_m, kernel=True)
-    dev = topk_ids.device
-    n = topk_ids.numel()
-    max_padded, max_blocks = moe_align_sizes(n, num_experts, block_m)
-    sorted_ids = torch.empty((max_padded,), dtype=torch.int32, device=dev)
-    eob = torch.empty((max_blocks,), dtype=torch.int32, device=dev)
-    num_padded = torch.empty((1,), dtype=torch.int32, device=dev)
-    if n == 0:
-        num_padded.zero_()
-        return MoEAlignment(sorted_ids, eob, num_padded)
-    block_e = max(32, triton.next_power_of_2(num_experts))
-    chunks = triton.cdiv(n, ALIGN_CHUNK)
-    k = topk_ids.shape[1]
-    si, sj = topk_ids.stride()
-    base = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)  # per-chunk slot bases (scratch)
-    hist = torch.empty((chunks, block_e), dtype=torch.int32, device=dev) if chunks > 1 else base  # unused if 1
-    if chunks > 1:
-        _align_count_kernel[(chunks,)](topk_ids, hist, n, num_experts, k, si, sj,
-                                       BLOCK_E=block_e, CHUNK=ALIGN_CHUNK, SUB=32, num_warps=4)
-    _align_scatter_kernel[(chunks,)](
-        topk_ids, hist, base, sorted_ids, eob, num_padded,
-        n, num_experts, chunks, max_padded, max_blocks, k, si, sj,
-        BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, SINGLE=chunks == 1, HIST_ROWS=16, TAIL=1024, SUB=32,
-        PAD=16, num_warps=8,
-    )
-    return MoEAlignment(sorted_ids, eob, num_padded)
-
-
 def _check(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, out, kernel: bool) -> bool:
     """Validates the inputs of fused_moe / fused_moe_ref; returns whether the weights are fp8."""
     if x.dim() != 2 or x.dtype not in _ACT_DTYPES:
@@ -529,7 +345,7 @@ def _check(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, out,
                 raise ValueError(f"fp8 weights need {name} float32 {list(want)}, got {got}")
     elif w13_scale_inv is not None or w2_scale_inv is not None:
         raise ValueError(f"scales are only for float8_e4m3fn weights, got {w13.dtype} weights with scales")
-    if topk_ids.dim() != 2 or topk_ids.dtype not in _ID_DTYPES or topk_ids.shape[0] != t or topk_ids.shape[1] < 1:
+    if topk_ids.dim() != 2 or topk_ids.dtype not in ID_DTYPES or topk_ids.shape[0] != t or topk_ids.shape[1] < 1:
         raise ValueError(f"topk_ids must be int32/int64 [T={t}, k >= 1], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
     if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_weights must be float32 {list(topk_ids.shape)}, got {tuple(topk_weights.shape)} "

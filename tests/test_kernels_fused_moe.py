@@ -28,14 +28,8 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from kernels.fp8_gemm import dequantize_weight_blocks, quantize_weight_blocks  # noqa: E402
-from kernels.fused_moe import (  # noqa: E402
-    FusedMoEConfig,
-    fused_moe,
-    fused_moe_ref,
-    moe_align,
-    moe_align_ref,
-    moe_align_sizes,
-)
+from kernels.fused_moe import FusedMoEConfig, fused_moe, fused_moe_ref  # noqa: E402
+from kernels.moe_align import moe_align, moe_align_ref, moe_align_sizes  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
