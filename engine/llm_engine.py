@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from engine.parallel.executor import make_executor
 from engine.parallel.sharding import check_shardable
 from engine.parallel.worker import WorkerSpec
 from engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
-from engine.sampler import sample_token
+from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 from residency.config import HiSparseConfig
@@ -68,7 +68,7 @@ class _TextState:
     text: str = ""
     emitted: int = 0
     stop_hit: bool = False
-    generator: torch.Generator | None = field(default=None, repr=False)
+    seed: int = 0  # the request's sampling seed (its own, or the next of the engine's sequence)
 
 
 class LLMEngine:
@@ -187,12 +187,11 @@ class LLMEngine:
         seed = params.seed
         if seed is None:
             seed, self._seed_counter = self._seed_counter, self._seed_counter + 1
-        generator = torch.Generator(device=self.executor.logits_device).manual_seed(seed)
         detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
         # Queued and registered only once everything is built, so a failed add leaves nothing behind.
         self.scheduler.add(req)
         self._requests[request_id] = req
-        self._text[request_id] = _TextState(detok, generator=generator)
+        self._text[request_id] = _TextState(detok, seed=seed)
 
     def abort_request(self, request_id: str) -> bool:
         """Ends a request in any state and frees its pages; False if it is unknown or already done."""
@@ -214,17 +213,16 @@ class LLMEngine:
             return []
         logits = self.runner.execute(out.scheduled)
         completing = [s.request for s in out.scheduled if s.completes]
-        argmax = logits.argmax(dim=-1).tolist()  # greedy rows read this: one device sync for the batch
+        seeds = [self._text[r.request_id].seed for r in completing]
+        tokens = sample(logits, [r.params for r in completing], seeds, [len(r.output_token_ids) for r in completing])
         self.scheduler.after_step(out)
         self.num_steps += 1
         self._record_states()
-        return [self._complete(req, logits[row], argmax[row]) for row, req in enumerate(completing)]
+        return [self._complete(req, token) for req, token in zip(completing, tokens)]
 
-    def _complete(self, req: Request, logits: torch.Tensor, argmax: int) -> RequestOutput:
-        """Samples and appends `req`'s token; a failure here ends `req` alone, not the step."""
+    def _complete(self, req: Request, token: int) -> RequestOutput:
+        """Appends `req`'s token (stop conditions, text); a failure here ends `req` alone, not the step."""
         try:
-            state = self._text[req.request_id]
-            token = argmax if req.params.greedy else sample_token(logits, req.params, state.generator)
             return self._append(req, token)
         except Exception as exc:  # noqa: BLE001 - the request gets the failure; the batch goes on
             logger.exception("request %s failed; ending it alone", req.request_id)

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.llm_engine import LLMEngine
 from engine.request import InvalidRequestError, SamplingParams
-from engine.sampler import sample_token
+from engine.sampler import sample
 from tests.helpers import LogitsRecorder, assert_pages_released, greedy, make_engine
 
 
@@ -227,8 +228,32 @@ def test_extreme_sampling_values_pick_the_argmax(dtype: torch.dtype) -> None:
     logits = _spread_logits(dtype)
     cases = {**_NEAR_GREEDY, "temperature 1e-5": SamplingParams(temperature=1e-5)}  # samples, from a one-hot row
     for name, params in cases.items():
-        picks = {sample_token(logits, params, torch.Generator().manual_seed(seed)) for seed in range(20)}
+        picks = {token for seed in range(20) for token in sample(logits[None], [params], [seed], [0])}
         assert picks == {17}, name
+
+
+def test_sampling_draws_from_the_filtered_distribution() -> None:
+    """Over many seeds each token's frequency matches softmax(logits / T) restricted by top-k and top-p."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    cases = [(SamplingParams(temperature=0.7), [0, 1, 2, 3, 4]),
+             (SamplingParams(temperature=1.3, top_k=2), [0, 1]),
+             (SamplingParams(temperature=1.0, top_p=0.8), [0, 1, 2])]  # 0.56 + 0.21 < 0.8: token 2 crosses, kept
+    n = 6000
+    for params, support in cases:
+        draws = sample(logits.expand(n, -1), [params] * n, list(range(n)), [3] * n)
+        freq = torch.bincount(torch.tensor(draws), minlength=5).float() / n
+        masked = torch.full_like(logits, float("-inf"))
+        masked[support] = logits[support] / params.temperature
+        assert torch.allclose(freq, masked.softmax(-1), atol=0.025), (params, freq)
+
+
+def test_seeded_draws_do_not_depend_on_the_batch() -> None:
+    logits = torch.randn(3, 400, generator=torch.Generator().manual_seed(1)) * 3
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9), greedy(1)]
+    together = sample(logits, params, [11, 12, 13], [5, 6, 7])
+    alone = [sample(logits[i : i + 1], [params[i]], [11 + i], [5 + i])[0] for i in range(3)]
+    assert together == alone
+    assert sample(logits[:1], params[:1], [11], [6]) != [] and together[2] == int(logits[2].argmax())
 
 
 def test_extreme_sampling_values_generate_like_greedy(tiny_dir: Path) -> None:
@@ -258,22 +283,21 @@ def test_seeded_request_repeats_beside_edge_values(tiny_dir: Path) -> None:
 
 
 def test_a_failing_request_ends_alone_and_frees_its_pages(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its sampling raising mid-generation ends it with an error output; the batch (sampled rows too) goes on."""
+    """Its output processing raising mid-generation ends it with an error output; the batch (sampled rows too)
+    goes on."""
     engine = make_engine(tiny_dir, max_num_batched_tokens=64)
     prompts = [_prompt(n, 30 + n) for n in (90, 40, 70)]
     sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
     victim = SamplingParams(max_tokens=12, temperature=1.0, seed=6, ignore_eos=True)
     [expected] = make_engine(tiny_dir).generate([prompts[2]], [sampled])
-    draws = {"victim": 0}
+    append = LLMEngine._append
 
-    def flaky(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-        if params is victim:
-            draws["victim"] += 1
-            if draws["victim"] == 4:
-                raise RuntimeError("row broke")
-        return sample_token(logits, params, generator)
+    def flaky(self: LLMEngine, req, token: int):  # noqa: ANN001, ANN202
+        if req.params is victim and len(req.output_token_ids) == 3:
+            raise RuntimeError("row broke")
+        return append(self, req, token)
 
-    monkeypatch.setattr("engine.llm_engine.sample_token", flaky)
+    monkeypatch.setattr(LLMEngine, "_append", flaky)
     engine.add_request("ok", prompts[0], greedy(12))
     engine.add_request("victim", prompts[1], victim)
     engine.add_request("sampled", prompts[2], sampled)
