@@ -50,12 +50,15 @@ def _rank(rank: int, world: int, hidden: int, port: int) -> None:
                 for _ in range(20):
                     dist.all_reduce(x)
         graphed = _time_us(graph.replay) / 20
+        torch.cuda.synchronize()
+        del graph  # a captured NCCL graph left alive at teardown hangs the process group's destruction
         rows.append((batch, batch * hidden * 2 / 1024, eager, graphed))
     if rank == 0:
         print(f"{world} GPUs, bf16 [B, {hidden}] all-reduce (NCCL)")
         print(f"{'B':>4} {'KiB':>8} {'eager us':>9} {'graph us':>9}")
         for batch, kib, eager, graphed in rows:
             print(f"{batch:>4} {kib:8.0f} {eager:9.1f} {graphed:9.1f}")
+    dist.barrier()
     dist.destroy_process_group()
 
 
