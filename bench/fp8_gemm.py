@@ -98,7 +98,7 @@ def hbm_copy_gbs() -> float:
 
 def cfg_name(c: FP8GemmConfig) -> str:
     return (f"m{c.block_m}n{c.block_n}s{c.split_k}w{c.num_warps}st{c.num_stages}"
-            + ("f" if c.fuse_quant else "") + ("t" if c.swap_ab else ""))
+            + ("t" if c.swap_ab else ""))
 
 
 def candidates(m: int, n: int, k: int, sms: int) -> list[FP8GemmConfig]:
@@ -106,14 +106,11 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[FP8GemmConfig]:
     base = FP8GemmConfig.for_problem(m, n, k, sms)
     out = [base]
     bm_small = 16 if m <= 16 else 32 if m <= 32 else 64
-    shapes = [(bm_small, True, True), (bm_small, False, True), (max(bm_small, 64) if m > 16 else 16, False, False)]
-    if m <= 16:
-        shapes.append((16, True, False))
+    shapes = [(bm_small, True), (max(bm_small, 64) if m > 16 else 16, False)]
     for bn in (64, 128):
-        for bm, fuse, swap in shapes:
+        for bm, swap in shapes:
             split = FP8GemmConfig.split_for(m, n, k, bm, bn, sms)
-            c = FP8GemmConfig(block_m=bm, block_n=bn, split_k=split, fuse_quant=fuse, swap_ab=swap,
-                              num_warps=4, num_stages=4)
+            c = FP8GemmConfig(block_m=bm, block_n=bn, split_k=split, swap_ab=swap, num_warps=4, num_stages=4)
             if c not in out:
                 out.append(c)
     return out

@@ -21,8 +21,8 @@ and Triton's fp8 GEMMs).
 One launch shape per problem (`FP8GemmConfig.for_problem`):
 - small M (decode): the weight is streamed once, so the GEMM is memory-bound on
   weight bytes. `swap_ab` computes out^T = W x^T so weight rows fill the MMA's
-  M side and the few tokens its N side; `fuse_quant` quantises each x tile inside
-  the GEMM (no separate launch); `split_k` cuts K into ranges so enough programs
+  M side and the few tokens its N side; x is quantised by its own launch first
+  (inside every weight tile the decode GEMM was ALU-bound); `split_k` cuts K into ranges so enough programs
   fill the GPU, their float32 partials summed in a fixed order by a second small
   launch (deterministic).
 - large M (prefill): x is quantised once by `quantize_activations`, then a tiled
@@ -77,7 +77,6 @@ class FP8GemmConfig:
     block_m: int = 64  # tokens per tile (>= 16)
     block_n: int = 128  # weight rows (output columns) per tile (>= 16)
     split_k: int = 1  # K ranges per tile; > 1 adds a reduction launch over float32 partials
-    fuse_quant: bool = False  # quantise x tiles inside the GEMM (else one quantize_activations launch first)
     swap_ab: bool = False  # out^T = W x^T: weight rows on the MMA's M side (small M)
     group_m: int = 8  # M tiles per group of the L2-friendly program order
     num_warps: int = 4
@@ -95,17 +94,17 @@ class FP8GemmConfig:
             kb = triton.cdiv(k, FP8_BLOCK)
             split = max(1, min(triton.cdiv(num_sms, tiles), kb // 4))  # few tiles (small N): split K too
             return cls(block_m=64, block_n=64, split_k=triton.cdiv(kb, triton.cdiv(kb, split)), num_stages=3)
-        if m <= 16:  # x is quantised by its own launch: inside every weight tile it left the kernel ALU-bound
-            block_m, fuse, swap = 16, False, True
+        if m <= 16:
+            block_m, swap = 16, True
         elif m <= 32:
-            block_m, fuse, swap = 32, False, True
+            block_m, swap = 32, True
         else:
-            block_m, fuse, swap = 64, False, False
+            block_m, swap = 64, False
         # 64-row weight tiles, split K to about one program per SM: the H200 sweep's best at M = 1-64 for every
         # GLM-5.3 shape (bench/RESULTS.md, 2026-11-30: 10-20 % below 128-row tiles at two programs per SM)
         block_n = 64
         return cls(block_m=block_m, block_n=block_n, split_k=cls.split_for(m, n, k, block_m, block_n, num_sms),
-                   fuse_quant=fuse, swap_ab=swap, num_warps=4, num_stages=4)
+                   swap_ab=swap, num_warps=4, num_stages=4)
 
     @staticmethod
     def max_split(m: int, k: int) -> int:
@@ -242,8 +241,8 @@ def _fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr,
     M, N, K, kb_per_split,
     stride_am, stride_asm, stride_wn, stride_wsn, stride_wsk, stride_cs, stride_cm,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, FUSE_QUANT: tl.constexpr,
-    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SOFT_CVT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = 128
     pid = tl.program_id(0)
@@ -285,12 +284,8 @@ def _fp8_gemm_kernel(
             wmask = nmask[:, None] & kmask[None, :]
         w = tl.load(w_rows + k0, mask=wmask, other=0.0)  # [BLOCK_N, BLOCK_K] fp8
         ws = tl.load(ws_rows + kb * stride_wsk, mask=nmask, other=0.0)
-        if FUSE_QUANT:
-            x = tl.load(a_rows + k0, mask=amask, other=0.0).to(tl.float32)
-            a, a_s = _quantize_groups(x, SOFT_CVT)
-        else:
-            a = tl.load(a_rows + k0, mask=amask, other=0.0)
-            a_s = tl.load(as_rows + kb, mask=mmask, other=0.0)
+        a = tl.load(a_rows + k0, mask=amask, other=0.0)  # [BLOCK_M, BLOCK_K] fp8, quantised beforehand
+        a_s = tl.load(as_rows + kb, mask=mmask, other=0.0)
         if SWAP_AB:
             acc += tl.dot(w, tl.trans(a)) * (ws[:, None] * a_s[None, :])
         else:
@@ -414,11 +409,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         return out.reshape(*lead, n)
     cfg = config or _default_config(m, n, k, _num_sms(x.device))
     _check_config(cfg)
-    soft = _soft_cvt()
-    if cfg.fuse_quant:
-        a, a_s = x2, x2  # a_s unused
-    else:
-        a, a_s = quantize_activations(x2)
+    a, a_s = quantize_activations(x2)
     nb = _blocks(k)
     kb_per_split = triton.cdiv(nb, cfg.split_k)
     splits = triton.cdiv(nb, kb_per_split)
@@ -433,8 +424,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         m, n, k, kb_per_split,
         a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
         stride_cs, stride_cm,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, FUSE_QUANT=cfg.fuse_quant,
-        SWAP_AB=cfg.swap_ab, EVEN_K=k % FP8_BLOCK == 0, SOFT_CVT=soft,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        SWAP_AB=cfg.swap_ab, EVEN_K=k % FP8_BLOCK == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
