@@ -78,6 +78,14 @@ class SyntheticTopK:
         self.seed = seed
         self._trace: ReuseDistanceTrace | None = None  # made at the first call: top-K and device known then
 
+    def write_mla_rows(self, kv_pool: torch.Tensor, layer: int, slots: torch.Tensor, latent: torch.Tensor,
+                       rope: torch.Tensor) -> None:
+        self.ops.write_mla_rows(kv_pool, layer, slots, latent, rope)
+
+    def write_indexer_rows(self, kv_pool: torch.Tensor, full_index: int, slots: torch.Tensor,
+                           keys: torch.Tensor) -> None:
+        self.ops.write_indexer_rows(kv_pool, full_index, slots, keys)
+
     def sparse_mla(
         self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
     ) -> torch.Tensor:

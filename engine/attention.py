@@ -71,10 +71,8 @@ class Indexer(nn.Module):
         k = self._rope(self.k_norm(self.wk(x)), cos, sin)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * cfg.index_n_heads**-0.5
 
+        ops.write_indexer_rows(ctx.kv_pool, full_index, batch.indexer_write_slots, k)
         view = layout.indexer_layer_view(ctx.kv_pool, full_index)
-        per_page = view.shape[1]
-        ws = batch.indexer_write_slots
-        view[ws // per_page, ws % per_page] = layout.encode_indexer(k)
 
         topk = cfg.index_topk
         chosen = ops.indexer_topk(q, weights, view, batch, topk, cfg.index_head_dim**-0.5, full_index)
@@ -114,9 +112,8 @@ class MLAAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([dl, cfg.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         k_rope = apply_rope(k_rope, cos, sin, cfg.rope_interleave)
+        ctx.ops.write_mla_rows(ctx.kv_pool, self.layer, batch.mla_write_slots, latent, k_rope)
         view = layout.mla_layer_view(ctx.kv_pool, self.layer)
-        ws = batch.mla_write_slots
-        view[ws // layout.page_size, ws % layout.page_size] = layout.encode_mla(latent, k_rope)
 
         if self.indexer is not None:
             full_index = layout.layer_group[self.layer]

@@ -1,11 +1,12 @@
-"""The two cache-reading operations of sparse MLA, behind one small interface.
+"""The KV-cache operations of sparse MLA, behind one small interface.
 
-`indexer_topk` scores every query row of a step against its request's cached
-indexer keys and picks the top-K positions; `sparse_mla` attends over the
-selected KV slots in the absorbed form. Both take a whole batch in one call, so
-an implementation can cover all requests with one kernel launch instead of a
-Python loop over them. The plain PyTorch implementation here runs everywhere;
-Triton kernels implement the same interface for the GPU.
+`write_mla_rows` / `write_indexer_rows` store a step's new rows at their slots
+of one layer; `indexer_topk` scores every query row of a step against its
+request's cached indexer keys and picks the top-K positions; `sparse_mla`
+attends over the selected KV slots in the absorbed form. Each takes a whole
+batch in one call, so an implementation can cover all requests with one kernel
+launch instead of a Python loop over them. The plain PyTorch implementation
+here runs everywhere; Triton kernels implement the same interface for the GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ class TopK(NamedTuple):
 
 
 class AttentionOps(Protocol):
+    def write_mla_rows(self, kv_pool: torch.Tensor, layer: int, slots: torch.Tensor, latent: torch.Tensor,
+                       rope: torch.Tensor) -> None:
+        """Stores latent [N, Dl] and roped key [N, Dr] as layer `layer`'s rows at `slots` (distinct)."""
+        ...
+
+    def write_indexer_rows(self, kv_pool: torch.Tensor, full_index: int, slots: torch.Tensor,
+                           keys: torch.Tensor) -> None:
+        """Stores indexer keys [N, Di] as full layer `full_index`'s rows at `slots` (distinct)."""
+        ...
+
     def indexer_topk(
         self, q: torch.Tensor, weights: torch.Tensor, view: torch.Tensor, batch: ForwardBatch, topk: int,
         scale: float, full_index: int,
@@ -53,6 +64,18 @@ class TorchAttentionOps:
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout
+
+    def write_mla_rows(self, kv_pool: torch.Tensor, layer: int, slots: torch.Tensor, latent: torch.Tensor,
+                       rope: torch.Tensor) -> None:
+        view = self.layout.mla_layer_view(kv_pool, layer)
+        page = self.layout.page_size
+        view[slots // page, slots % page] = self.layout.encode_mla(latent, rope)
+
+    def write_indexer_rows(self, kv_pool: torch.Tensor, full_index: int, slots: torch.Tensor,
+                           keys: torch.Tensor) -> None:
+        view = self.layout.indexer_layer_view(kv_pool, full_index)
+        per_page = view.shape[1]
+        view[slots // per_page, slots % per_page] = self.layout.encode_indexer(keys)
 
     def indexer_topk(
         self, q: torch.Tensor, weights: torch.Tensor, view: torch.Tensor, batch: ForwardBatch, topk: int,

@@ -22,6 +22,7 @@ import torch
 
 from engine.model_config import ModelConfig
 from kernels import fp8_rows
+from kernels.fp8_pack import RowPlacement
 
 KVFormat = Literal["float32", "bf16", "fp8"]
 PAGE_SIZE = 64
@@ -111,6 +112,16 @@ class KVLayout:
         start = self.group_offset(g)
         block = pool[:, start : start + self.page_size * size * rb]
         return block.view(pool.shape[0], self.page_size, size, rb)[:, :, j, :]
+
+    def mla_placement(self, layer: int) -> RowPlacement:
+        """Where one layer's MLA rows sit in a page, for kernels that write rows by slot."""
+        g, j = self.layer_group[layer], self.layer_pos[layer]
+        return RowPlacement(self.page_size, self.group_offset(g) + j * self.mla_row_bytes, self.group_run_bytes[g])
+
+    def indexer_placement(self, full_index: int) -> RowPlacement:
+        """Where one full layer's indexer keys sit in an indexer page."""
+        tokens, rb = self.indexer_tokens_per_page, self.indexer_row_bytes
+        return RowPlacement(tokens, full_index * tokens * rb, rb)
 
     def indexer_layer_view(self, pool: torch.Tensor, full_index: int) -> torch.Tensor:
         """[num_pages, indexer_tokens_per_page, indexer_row_bytes] uint8 view of one full layer's keys."""

@@ -13,6 +13,7 @@ import torch
 
 from engine.attention_ops import TopK, TorchAttentionOps
 from engine.forward_batch import ForwardBatch
+from kernels.fp8_pack import pack_indexer_rows_into, pack_mla_rows_into
 from kernels.indexer import indexer_scores
 from kernels.sparse_mla import sparse_mla
 
@@ -35,6 +36,20 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 class TritonAttentionOps(TorchAttentionOps):
+    def write_mla_rows(self, kv_pool: torch.Tensor, layer: int, slots: torch.Tensor, latent: torch.Tensor,
+                       rope: torch.Tensor) -> None:
+        """FP8 rows are quantised and stored by one launch (the PyTorch packing is a dozen); others as the twin."""
+        if self.layout.kv_format != "fp8":
+            return super().write_mla_rows(kv_pool, layer, slots, latent, rope)
+        pack_mla_rows_into(latent.contiguous(), rope.contiguous(), kv_pool, slots.contiguous(),
+                           self.layout.mla_placement(layer))
+
+    def write_indexer_rows(self, kv_pool: torch.Tensor, full_index: int, slots: torch.Tensor,
+                           keys: torch.Tensor) -> None:
+        if self.layout.kv_format != "fp8":
+            return super().write_indexer_rows(kv_pool, full_index, slots, keys)
+        pack_indexer_rows_into(keys.contiguous(), kv_pool, slots.contiguous(), self.layout.indexer_placement(full_index))
+
     def indexer_topk(
         self, q: torch.Tensor, weights: torch.Tensor, view: torch.Tensor, batch: ForwardBatch, topk: int,
         scale: float, full_index: int,

@@ -94,3 +94,23 @@ def test_triton_indexer_topk_equals_torch_ops(kv_format: str, monkeypatch: pytes
     monkeypatch.setattr(triton_ops, "_SCORE_ELEMENTS", 7 * max(batch.context_lens_host))
     chunked = TritonAttentionOps(layout).indexer_topk(*args)
     assert torch.equal(chunked.positions, got.positions) and torch.equal(chunked.counts, got.counts)
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_triton_row_writes_store_the_same_bytes_as_torch_ops(kv_format: str) -> None:
+    """New rows land at their slots of the right layer: every byte of the pool equals the PyTorch path's."""
+    cfg = ModelConfig.from_dict(dict(TINY_CONFIG, vocab_size=448))
+    layout = KVLayout.for_model(cfg, kv_format)
+    gen = torch.Generator().manual_seed(4)
+    pool = torch.randint(0, 255, (5, layout.page_bytes), dtype=torch.uint8, generator=gen)
+    expected, got = pool.clone(), pool.clone()
+    slots = torch.randperm(5 * 64, generator=gen)[:37]
+    latent, rope = torch.randn(37, 128, generator=gen), torch.randn(37, 16, generator=gen)
+    per_page = layout.indexer_tokens_per_page
+    key_slots = torch.randperm(5 * per_page, generator=gen)[:37]
+    keys = torch.randn(37, 32, generator=gen)
+    for ops, target in ((TorchAttentionOps(layout), expected), (TritonAttentionOps(layout), got)):
+        ops.write_mla_rows(target, 3, slots, latent, rope)  # a shared layer in the middle of a group
+        ops.write_indexer_rows(target, 1, key_slots, keys)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, pool)
