@@ -74,7 +74,7 @@ def land_prefix(engine: LLMEngine, token_ids: list[int], export: KVExport) -> La
                     held, export.start_tokens)
         return Landing(held, 0, "none")
     residency = engine.residency
-    if export.num_pages > engine.kv.num_available and residency is not None and residency.config.policy == "hybrid":
+    if export.num_pages > engine.kv.num_available and residency is not None and residency.config.traits.runs_from_host:
         landed = _land_on_host(engine, token_ids, export)
         return Landing(max(held, export.start_tokens + landed), landed, "host")
     layout = engine.layout

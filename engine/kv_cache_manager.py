@@ -91,7 +91,7 @@ class KVCacheManager:
             self.cache.acquire(page)
         req.mla_pages, req.indexer_pages = list(mla), idx
         if not self._extend_into_indexer_page(req, (len(tokens) - 1) // self.page_size):
-            if self.residency is not None and self.residency.config.policy == "hybrid":
+            if self.residency is not None and self.residency.config.traits.runs_from_host:
                 self._extend_from_host(req, (len(tokens) - 1) // self.page_size)
         hit = len(req.mla_pages) * self.page_size
         self.num_prefix_queried_tokens += len(tokens)

@@ -172,7 +172,7 @@ class LLMEngine:
     def _fits_with_host(self, num_tokens: int) -> bool:
         """Whether `hybrid` can run a request the GPU pool cannot hold whole: the GPU keeps its
         indexer pages, tail, hot buffer and one prefill chunk; its completed pages live on host."""
-        if self.residency is None or self.config.hisparse.policy != "hybrid":
+        if self.residency is None or not self.config.hisparse.traits.runs_from_host:
             return False
         fp = request_footprint(self.layout, num_tokens, "hybrid", self.residency.hot_rows)
         chunk = min(self.config.max_num_batched_tokens, self.scheduler.max_chunk_tokens)

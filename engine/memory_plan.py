@@ -16,6 +16,7 @@ from engine.kv_layout import KVLayout
 from engine.linear import WeightFormat
 from engine.model_config import ModelConfig
 from kernels.fp8_gemm import FP8_BLOCK
+from residency.config import POLICY_TRAITS
 
 GIB = 2**30
 
@@ -129,7 +130,7 @@ def request_footprint(layout: KVLayout, num_tokens: int, policy: str, hot_rows: 
     """
     mla = _ceil_div(num_tokens, layout.page_size)
     idx = _ceil_div(num_tokens, layout.indexer_tokens_per_page)
-    if policy != "hybrid":
+    if not POLICY_TRAITS[policy].runs_from_host:
         return Footprint(mla + idx, 0)
     tail = min(mla, 2)
     hot = _ceil_div(hot_rows, layout.page_size) if mla > tail else 0
@@ -147,6 +148,6 @@ def max_concurrent_requests(
     gpu, host = num_gpu_pages(budget, layout), num_host_pages(budget, layout)
     fp = request_footprint(layout, num_tokens, policy, hot_rows)
     by_gpu = gpu // fp.gpu_pages if fp.gpu_pages else 0
-    if policy != "hybrid":
+    if not POLICY_TRAITS[policy].runs_from_host:
         return by_gpu
     return min(by_gpu, host // fp.host_pages) if fp.host_pages else by_gpu

@@ -1,10 +1,30 @@
-"""Residency settings, named after vLLM's Hybrid HiSparse flags so settings carry over."""
+"""Residency settings, named after vLLM's Hybrid HiSparse flags so settings carry over.
+
+Also what each pressure policy asks of the residency mechanism (`PolicyTraits`):
+the mechanism (page tables, mirroring, swapping, landing) reads these traits and
+never tests a policy's name; the policies' decisions live in `residency.policies`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICIES = ("hybrid", "offload", "preempt", "off")
+
+@dataclass(frozen=True)
+class PolicyTraits:
+    """What a pressure policy needs from the mechanism."""
+
+    runs_from_host: bool = False  # a running request's pages may be host-only: selected rows load via a hot buffer
+    mirrors_ahead: bool = False  # completed pages are copied to host as they complete, so demotion frees at once
+
+
+POLICY_TRAITS = {
+    "hybrid": PolicyTraits(runs_from_host=True, mirrors_ahead=True),
+    "offload": PolicyTraits(),
+    "preempt": PolicyTraits(),
+    "off": PolicyTraits(),
+}
+POLICIES = tuple(POLICY_TRAITS)
 
 
 @dataclass(frozen=True)
@@ -28,6 +48,10 @@ class HiSparseConfig:
             raise ValueError("hot_rows must be positive")
         if not 0.0 <= self.promote_free_fraction < 1.0:
             raise ValueError("promote_free_fraction must be in [0, 1)")
+
+    @property
+    def traits(self) -> PolicyTraits:
+        return POLICY_TRAITS[self.policy]
 
     @property
     def uses_host(self) -> bool:

@@ -404,13 +404,13 @@ class ResidencyManager:
             self.gpu_cache.release(page)
         self.return_hot(req)
         self.stats.pages_swapped_out += len(moved)
-        self.parked_indexer_pages += len(req.host_indexer_pages) if self.config.policy == "hybrid" else 0
+        self.parked_indexer_pages += len(req.host_indexer_pages) if self.config.traits.runs_from_host else 0
         req.mla_pages = [None] * len(req.mla_pages)
         req.indexer_pages = []
         return True
 
     def _indexer_budget_allows(self, indexer_pages: int) -> bool:
-        if self.config.policy != "hybrid":
+        if not self.config.traits.runs_from_host:
             return True
         return self.parked_indexer_pages + indexer_pages <= self.offload_budget_pages
 
@@ -419,13 +419,13 @@ class ResidencyManager:
         everything for `offload`; for `hybrid` the indexer pages and the tail (the last completed
         page and the one being written), the rest stays on host behind a hot buffer."""
         indexer = list(range(len(req.host_indexer_pages)))
-        if self.config.policy != "hybrid":
+        if not self.config.traits.runs_from_host:
             return list(range(len(req.host_pages))), indexer
         return list(range(max(len(req.host_pages) - 2, 0), len(req.host_pages))), indexer
 
     def swap_in_cost(self, req: PagedRequest) -> int:
         mla, indexer = self._resume_pages(req)
-        hot = self.hot_pages_per_lease if self.config.policy == "hybrid" and len(mla) < len(req.host_pages) else 0
+        hot = self.hot_pages_per_lease if self.config.traits.runs_from_host and len(mla) < len(req.host_pages) else 0
         return len(mla) + len(indexer) + hot
 
     def swap_in(self, req: PagedRequest) -> bool:
@@ -438,7 +438,7 @@ class ResidencyManager:
         mla = self.gpu_cache.allocate(len(mla_idx), PageUse.MLA)
         idx = self.gpu_cache.allocate(len(idx_idx), PageUse.INDEXER)
         self.load_pages([req.host_pages[i] for i in mla_idx] + list(req.host_indexer_pages), mla + idx)
-        if self.config.policy == "hybrid":
+        if self.config.traits.runs_from_host:
             self.parked_indexer_pages -= len(req.host_indexer_pages)
         for page in req.host_indexer_pages:  # the GPU copies grow from here; host copies go stale
             self.host.cache.release(page)
@@ -449,7 +449,7 @@ class ResidencyManager:
             if i >= completed:  # the partial page is written again on GPU: its host copy goes stale
                 self.host.cache.release(req.host_pages[i])
                 req.host_pages[i] = None
-        if self.config.policy != "hybrid":
+        if not self.config.traits.runs_from_host:
             for i in mla_idx:
                 if req.host_pages[i] is not None:
                     self.host.cache.release(req.host_pages[i])
