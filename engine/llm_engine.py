@@ -38,7 +38,8 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 from residency.config import HiSparseConfig
 from residency.host_pool import HostPool
-from residency.manager import ResidencyManager, StateCounter
+from residency.manager import ResidencyManager
+from residency.stats import StateCounter
 from residency.policies import make_policy
 
 logger = logging.getLogger(__name__)

@@ -19,93 +19,15 @@ hot-buffer LRU tables, keyed by request id, opened and closed here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 from residency.config import HiSparseConfig
 from residency.hot_buffer import PAGE_SIZE, HotLease
 from residency.host_pool import HostPool
+from residency.interfaces import CopyTicket, PagedRequest, PoolExecutor
 from residency.page_pool import PageUse
 from residency.prefix_cache import PrefixCache
-
-
-class PagedRequest(Protocol):
-    """What residency needs of a request (the engine's Request has these)."""
-
-    request_id: str
-    mla_pages: list[int | None]
-    host_pages: list[int | None]
-    indexer_pages: list[int]
-    host_indexer_pages: list[int | None]
-    page_hashes: list[bytes]
-    num_computed_tokens: int
-    hot: HotLease | None
-
-    @property
-    def num_tokens(self) -> int: ...
-
-
-class CopyTicket(Protocol):
-    """Completion of an asynchronous page copy."""
-
-    def done(self) -> bool: ...
-
-    def wait(self) -> None: ...
-
-
-class PoolExecutor(Protocol):
-    """What residency asks of the ranks that hold the replica's GPU pools."""
-
-    def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket:
-        """Whole GPU pages -> host pages, asynchronously."""
-        ...
-
-    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> CopyTicket:
-        """One token's rows of every layer (GPU page, token) -> (host page, token), per entry."""
-        ...
-
-    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
-        """Whole host pages -> GPU pages, on every rank before its next step."""
-        ...
-
-    def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
-        """Every rank creates the request's hot tables (reverse map covering `capacity` positions)."""
-        ...
-
-    def resize_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:
-        """Every rank refits the request's hot tables, keeping the entries of the slots that stay."""
-        ...
-
-    def close_lease(self, request_id: str) -> None: ...
-
-
-@dataclass(frozen=True)
-class ResolveCounts:
-    """What resolves did: selected rows of host-only pages found hot, or loaded (misses)."""
-
-    hot_hits: int = 0
-    hot_misses: int = 0  # one miss = one token's run of one IndexShare group copied host -> hot slot
-    bytes_h2d: int = 0
-
-    def __add__(self, other: ResolveCounts) -> ResolveCounts:
-        return ResolveCounts(
-            self.hot_hits + other.hot_hits, self.hot_misses + other.hot_misses, self.bytes_h2d + other.bytes_h2d
-        )
-
-
-@dataclass
-class ResidencyStats:
-    pages_mirrored: int = 0
-    rows_mirrored: int = 0  # one token's rows of every layer, copied after the forward that wrote them
-    pages_demoted: int = 0
-    pages_promoted: int = 0
-    pages_swapped_out: int = 0
-    pages_swapped_in: int = 0
-    hot_hits: int = 0
-    hot_misses: int = 0
-    rows_copied_h2d: int = 0
-    bytes_h2d: int = 0
-    mirror_skipped_host_full: int = 0
+from residency.stats import ResidencyStats, ResolveCounts
 
 
 @dataclass
@@ -485,23 +407,3 @@ class ResidencyManager:
 
     def check_integrity(self) -> None:
         self.host.check_integrity()
-
-
-@dataclass
-class StateCounter:
-    """Requests by state over steps: peak and mean of each."""
-
-    totals: dict[str, int] = field(default_factory=dict)
-    peaks: dict[str, int] = field(default_factory=dict)
-    steps: int = 0
-
-    def record(self, counts: dict[str, int]) -> None:
-        self.steps += 1
-        for state, n in counts.items():
-            self.totals[state] = self.totals.get(state, 0) + n
-            self.peaks[state] = max(self.peaks.get(state, 0), n)
-
-    def summary(self) -> dict[str, dict[str, float]]:
-        return {
-            s: {"peak": self.peaks[s], "mean": round(self.totals[s] / max(self.steps, 1), 3)} for s in self.totals
-        }

@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from residency.manager import PagedRequest, ResidencyManager
+from residency.interfaces import PagedRequest
+from residency.manager import ResidencyManager
 
 
 class SchedulerView(Protocol):

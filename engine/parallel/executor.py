@@ -26,7 +26,7 @@ import torch
 
 from engine.parallel.step import StepInput, StepOutput
 from engine.parallel.worker import Worker, WorkerSpec
-from residency.manager import CopyTicket
+from residency.interfaces import CopyTicket
 
 
 class WorkerError(RuntimeError):

@@ -24,7 +24,7 @@ from engine.kv_layout import KVLayout
 from engine.parallel.step import NonResidentSpec
 from kernels import page_mirror, resolve
 from residency.hot_buffer import PAGE_SIZE, HotTables
-from residency.manager import ResolveCounts
+from residency.stats import ResolveCounts
 
 # Host-only positions of one request's rows resolved per call: the plan launch's fixed width.
 _UNION_PIECE = 4096

@@ -36,7 +36,7 @@ from engine.parallel.executor import Executor, WorkerError
 from engine.parallel.shared_memory import SharedTensor, SharedTensorHandle
 from engine.parallel.step import StepInput, StepOutput
 from engine.parallel.worker import Worker, WorkerSpec
-from residency.manager import CopyTicket
+from residency.interfaces import CopyTicket
 
 logger = logging.getLogger(__name__)
 

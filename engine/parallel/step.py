@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from residency.manager import ResolveCounts
+from residency.stats import ResolveCounts
 
 
 @dataclass(frozen=True)

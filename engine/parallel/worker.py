@@ -26,7 +26,7 @@ from engine.parallel.step import StepInput, StepOutput
 from engine.parallel.tensor_parallel import TensorParallel
 from engine.triton_ops import TritonAttentionOps
 from engine.weights import load_weights, random_init
-from residency.manager import ResolveCounts
+from residency.stats import ResolveCounts
 
 logger = logging.getLogger(__name__)
 
