@@ -25,7 +25,7 @@ from engine.kv_layout import KVLayout
 from engine.layers import RMSNorm, apply_rope
 from engine.linear import WeightFormat, make_linear
 from engine.model_config import ModelConfig
-from engine.parallel.tensor_parallel import TensorParallel
+from engine.tp.tensor_parallel import TensorParallel
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from typing import NamedTuple
 import torch
 
 from engine.kv_layout import KVLayout
-from engine.parallel.rank_residency import RankResidency
-from engine.parallel.step import NonResidentSpec, StepInput
+from engine.rank.rank_residency import RankResidency
+from engine.rank.step import NonResidentSpec, StepInput
 
 
 class _DecodeResolve(NamedTuple):

@@ -4,7 +4,7 @@ Parameter names follow the published checkpoints, except the routed experts,
 which are stacked per layer for the fused MoE (engine/weight_map.py says where
 each published tensor goes). Under tensor parallelism an MLP holds a slice of
 the intermediate features and returns a partial output
-(engine/parallel/sharding.py); the decoder layer sums the ranks' partials.
+(engine/tp/sharding.py); the decoder layer sums the ranks' partials.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.linear import WeightFormat, make_linear
 from engine.model_config import ModelConfig
-from engine.parallel.tensor_parallel import TensorParallel
+from engine.tp.tensor_parallel import TensorParallel
 from kernels.fp8_gemm import FP8_BLOCK
 from kernels.fused_moe import fused_moe, fused_moe_ref
 

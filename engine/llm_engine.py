@@ -4,7 +4,7 @@ One `step()` = schedule, forward, sample, apply stop conditions, free what
 finished. Everything is single-threaded here; `AsyncEngine` drives it from a
 background thread. This process is the replica's driver: it owns scheduling,
 page accounting and residency decisions, and runs the model through an
-executor (engine/parallel/) on one rank in this process or on
+executor (engine/executors/) on one rank in this process or on
 `tensor_parallel_size` ranks in worker processes. A failed rank makes `step()`
 raise `WorkerError`, which ends the async loop and marks the replica unhealthy.
 A failure while sampling or emitting one request's token (its sampling values,
@@ -24,23 +24,23 @@ import torch
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.executors.executor import make_executor
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_layout import KVLayout
-from engine.model_config import ModelConfig
 from engine.memory_plan import GIB, MemoryBudget, num_gpu_pages, request_footprint
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
-from engine.parallel.executor import make_executor
-from engine.parallel.sharding import check_shardable
-from engine.parallel.worker import WorkerSpec
+from engine.rank.worker import WorkerSpec
 from engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
+from engine.tp.sharding import check_shardable
 from residency.config import HiSparseConfig
 from residency.host_pool import HostPool
 from residency.manager import ResidencyManager
-from residency.stats import StateCounter
 from residency.policies import make_policy
+from residency.stats import StateCounter
 
 logger = logging.getLogger(__name__)
 

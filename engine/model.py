@@ -5,7 +5,7 @@ Module and parameter names match the published checkpoints
 so weights load by name. Layers beyond `num_hidden_layers` (the MTP head) are
 not built.
 
-Tensor parallelism (engine/parallel/sharding.py) adds exactly two all-reduces
+Tensor parallelism (engine/tp/sharding.py) adds exactly two all-reduces
 per decoder layer: after attention and after the MLP block. Every rank runs
 the layers; only the rank that returns logits needs `lm_head`.
 """
@@ -25,7 +25,7 @@ from engine.kv_layout import KVLayout
 from engine.layers import MLP, MoE, RMSNorm, RotaryEmbedding
 from engine.linear import WeightFormat
 from engine.model_config import ModelConfig
-from engine.parallel.tensor_parallel import TensorParallel
+from engine.tp.tensor_parallel import TensorParallel
 
 
 class DecoderLayer(nn.Module):

@@ -4,7 +4,7 @@ Turns a scheduler decision into a `StepInput` (flattened rows, write slots,
 page tables, the residency page tables of requests with host-only pages) and
 runs it on the replica's ranks through the executor, which returns rank 0's
 logits of the rows that sample. The model, the KV pool and the attention ops
-live with the ranks (engine/parallel/worker.py): in this process with one
+live with the ranks (engine/rank/worker.py): in this process with one
 rank, in worker processes with several.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.executors.executor import Executor
 from engine.kv_layout import KVLayout
-from engine.parallel.executor import Executor
-from engine.parallel.step import NonResidentSpec, StepInput
+from engine.rank.step import NonResidentSpec, StepInput
 from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from residency.manager import ResidencyManager

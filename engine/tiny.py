@@ -23,8 +23,8 @@ from safetensors.torch import save_file
 from engine.linear import WeightFormat
 from engine.model import build_model
 from engine.model_config import ModelConfig
-from engine.parallel.tensor_parallel import TensorParallel
 from engine.tiny_tokenizer import write_tiny_tokenizer
+from engine.tp.tensor_parallel import TensorParallel
 from engine.weight_map import published_slots
 from engine.weights import random_init
 from kernels.fp8_gemm import quantize_weight_blocks

@@ -11,7 +11,7 @@ Experts stored fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
 `num_hidden_layers` (MTP) are skipped. Nothing here touches the network.
 
 A tensor-parallel rank reads only its slice of each split tensor
-(engine/parallel/sharding.py) through safetensors slices, so eight ranks read
+(engine/tp/sharding.py) through safetensors slices, so eight ranks read
 the checkpoint about once between them, not eight times; FP8 slices are read
 on whole 128-blocks (and must lie on them when they stay FP8). The random
 init draws the full tensors and keeps the rank's slice, so a random model is
@@ -32,8 +32,8 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.model_config import ModelConfig
-from engine.parallel.sharding import shard_dim
-from engine.parallel.tensor_parallel import TensorParallel
+from engine.tp.sharding import shard_dim
+from engine.tp.tensor_parallel import TensorParallel
 from engine.weight_map import SCALE_SUFFIX, published_slots
 from kernels.fp8_gemm import FP8_BLOCK, quantize_weight_blocks
 

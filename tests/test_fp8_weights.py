@@ -19,8 +19,8 @@ from engine.linear import Fp8Linear, WeightFormat
 from engine.memory_plan import weight_bytes
 from engine.model import build_model
 from engine.model_config import ModelConfig
-from engine.parallel.tensor_parallel import TensorParallel
 from engine.tiny import make_tiny
+from engine.tp.tensor_parallel import TensorParallel
 from engine.weights import load_weights, random_init
 from tests.helpers import LogitsRecorder, greedy, make_engine
 

@@ -13,9 +13,9 @@ import torch
 
 from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
-from engine.parallel import rank_residency
-from engine.parallel.rank_residency import RankResidency
-from engine.parallel.step import NonResidentSpec
+from engine.rank import rank_residency
+from engine.rank.rank_residency import RankResidency
+from engine.rank.step import NonResidentSpec
 
 PAGE = 64
 

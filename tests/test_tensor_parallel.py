@@ -19,12 +19,12 @@ from safetensors.torch import save_file
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
+from engine.executors.executor import WorkerError
+from engine.executors.placement import placement_group_bundles
 from engine.llm_engine import LLMEngine
 from engine.model import GlmMoeDsaForCausalLM
 from engine.model_config import ModelConfig
-from engine.parallel.executor import WorkerError
-from engine.parallel.placement import placement_group_bundles
-from engine.parallel.tensor_parallel import TensorParallel
+from engine.tp.tensor_parallel import TensorParallel
 from engine.weights import FP8_BLOCK, _read_slice, dequantize_fp8_block, load_weights, random_init
 from residency.config import HiSparseConfig
 from residency.page_pool import PageUse

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.parallel.executor import Executor, WorkerError
-from engine.parallel.shared_memory import SharedTensor, SharedTensorHandle
-from engine.parallel.step import StepInput, StepOutput
-from engine.parallel.worker import Worker, WorkerSpec
+from engine.executors.executor import Executor, WorkerError
+from engine.executors.shared_memory import SharedTensor, SharedTensorHandle
+from engine.rank.step import StepInput, StepOutput
+from engine.rank.worker import Worker, WorkerSpec
 from residency.interfaces import CopyTicket
 
 logger = logging.getLogger(__name__)

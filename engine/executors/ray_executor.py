@@ -1,7 +1,7 @@
 """The `ray` executor: one Ray actor per rank, in the replica's placement group.
 
 Inside a Serve replica deployed with `placement_group_bundles(...)`
-(engine/parallel/placement.py) the replica actor sits in bundle 0 and rank r is
+(engine/executors/placement.py) the replica actor sits in bundle 0 and rank r is
 placed in bundle r + 1. Outside Serve (a driver script, the tests) the executor
 creates its own STRICT_PACK group for the ranks and removes it on shutdown.
 Actor calls from one caller run in submission order, which is the ordering the
@@ -22,11 +22,11 @@ import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.parallel.executor import WorkerError
-from engine.parallel.placement import PLACEMENT_STRATEGY, placement_group_bundles
-from engine.parallel.remote import Call, RemoteExecutor, RemoteWorker, rank_device
-from engine.parallel.shared_memory import SharedTensorHandle
-from engine.parallel.worker import WorkerSpec
+from engine.executors.executor import WorkerError
+from engine.executors.placement import PLACEMENT_STRATEGY, placement_group_bundles
+from engine.executors.remote import Call, RemoteExecutor, RemoteWorker, rank_device
+from engine.executors.shared_memory import SharedTensorHandle
+from engine.rank.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

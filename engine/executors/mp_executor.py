@@ -21,10 +21,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from engine.parallel.executor import WorkerError
-from engine.parallel.remote import Call, RemoteExecutor, RemoteWorker, rank_device
-from engine.parallel.shared_memory import SharedTensorHandle
-from engine.parallel.worker import WorkerSpec
+from engine.executors.executor import WorkerError
+from engine.executors.remote import Call, RemoteExecutor, RemoteWorker, rank_device
+from engine.executors.shared_memory import SharedTensorHandle
+from engine.rank.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ from engine.kv_layout import KVFormat, KVLayout
 from engine.linear import WeightFormat
 from engine.model import build_model
 from engine.model_config import ModelConfig
-from engine.parallel.rank_residency import RankResidency
-from engine.parallel.step import StepInput, StepOutput
-from engine.parallel.tensor_parallel import TensorParallel
+from engine.rank.rank_residency import RankResidency
+from engine.rank.step import StepInput, StepOutput
+from engine.tp.tensor_parallel import TensorParallel
 from engine.triton_ops import TritonAttentionOps
 from engine.weights import load_weights, random_init
 from residency.stats import ResolveCounts

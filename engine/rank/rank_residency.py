@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.kv_layout import KVLayout
-from engine.parallel.step import NonResidentSpec
+from engine.rank.step import NonResidentSpec
 from kernels import page_mirror, resolve
 from residency.hot_buffer import PAGE_SIZE, HotTables
 from residency.stats import ResolveCounts

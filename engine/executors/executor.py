@@ -5,7 +5,7 @@ only through an `Executor`: run a forward step, copy pages between the GPU
 pools and the host pool, open and close hot leases. `LocalExecutor` holds the
 single rank in the engine's own process (tensor_parallel_size 1, on CPU and
 CUDA alike: no extra process, no serialisation). The multi-process executors
-(engine/parallel/remote.py: `mp` and `ray`) keep the same contract across
+(engine/executors/remote.py: `mp` and `ray`) keep the same contract across
 process boundaries.
 
 Contract, whatever the implementation:
@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.parallel.step import StepInput, StepOutput
-from engine.parallel.worker import Worker, WorkerSpec
+from engine.rank.step import StepInput, StepOutput
+from engine.rank.worker import Worker, WorkerSpec
 from residency.interfaces import CopyTicket
 
 
@@ -190,8 +190,8 @@ class LocalExecutor(Executor):
 
 # Multi-process executors by name; imported on use, so Ray is needed only where it is used.
 _REMOTE_EXECUTORS = {
-    "mp": "engine.parallel.mp_executor:MPExecutor",
-    "ray": "engine.parallel.ray_executor:RayExecutor",
+    "mp": "engine.executors.mp_executor:MPExecutor",
+    "ray": "engine.executors.ray_executor:RayExecutor",
 }
 
 
