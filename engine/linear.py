@@ -56,12 +56,6 @@ class Fp8Linear(nn.Module):
         gemm = fp8_block_linear if x.is_cuda else fp8_block_linear_ref
         return gemm(x, self.weight, self.weight_scale_inv)
 
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight as `dtype` values (for tests and for layers that need the matrix itself)."""
-        scale = self.weight_scale_inv.repeat_interleave(FP8_BLOCK, 0)[: self.out_features]
-        scale = scale.repeat_interleave(FP8_BLOCK, 1)[:, : self.in_features]
-        return (self.weight.float() * scale).to(dtype)
-
 
 def make_linear(in_features: int, out_features: int, fp8: bool) -> nn.Module:
     """A bias-free linear layer, FP8 block-scaled when `fp8`."""

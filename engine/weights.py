@@ -35,7 +35,7 @@ from engine.model_config import ModelConfig
 from engine.tp.sharding import shard_dim
 from engine.tp.tensor_parallel import TensorParallel
 from engine.weight_map import SCALE_SUFFIX, published_slots
-from kernels.fp8_gemm import FP8_BLOCK, quantize_weight_blocks
+from kernels.fp8_gemm import FP8_BLOCK, dequantize_weight_blocks, quantize_weight_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +44,8 @@ _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """W = fp8 weight x per-(128x128 block) scale; edge blocks may be partial."""
-    out_dim, in_dim = weight.shape
-    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0)[:out_dim].repeat_interleave(FP8_BLOCK, 1)[:, :in_dim]
-    return (weight.float() * scale).to(dtype)
+    """W = fp8 weight x per-(128x128 block) scale in `dtype`; edge blocks may be partial."""
+    return dequantize_weight_blocks(weight, scale_inv).to(dtype)
 
 
 @dataclass

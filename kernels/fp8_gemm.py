@@ -54,6 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_pack import _e4m3_bits
+
 FP8_BLOCK = 128
 FP8_MAX = 448.0
 HW_FP8_CVT = True  # GPU: fp32 -> e4m3 by the hardware conversion; False: integer rounding (as the interpreter)
@@ -188,24 +190,6 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
 
 
 # --- Triton kernels ------------------------------------------------------------------------
-
-
-@triton.jit
-def _e4m3_bits(q):
-    """fp32 in [-448, 448] -> e4m3fn code (uint32), round to nearest even (as torch's conversion)."""
-    bits = q.to(tl.uint32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    exp = mag >> 23
-    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - 960  # keep 3 mantissa bits; rebias 127 -> 7
-    shift = tl.minimum(141 - tl.minimum(exp, 120), 31)  # subnormal: |q| * 2^9 rounded to an integer
-    mant = (mag & 0x7FFFFF) | 0x800000
-    whole = mant >> shift
-    rest = mant & ((1 << shift) - 1)
-    half = 1 << (shift - 1)
-    up = (rest > half) | ((rest == half) & ((whole & 1) == 1))
-    sub = whole + up.to(tl.uint32)
-    return tl.where(exp >= 121, normal, sub) | sign
 
 
 @triton.jit

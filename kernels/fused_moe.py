@@ -60,6 +60,7 @@ from kernels.fp8_gemm import (
     quantize_activations,
     quantize_activations_ref,
 )
+from kernels.fp8_pack import _bf16_bits
 from kernels.moe_align import ID_DTYPES, moe_align
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -159,9 +160,7 @@ def _cast_out(v, ptr, SOFT_CVT: tl.constexpr):
     """float32 v in the element type of ptr, rounded to nearest even (the interpreter's own fp32 -> bf16
     conversion truncates, so under SOFT_CVT bf16 is rounded in integer arithmetic first)."""
     if SOFT_CVT and ptr.dtype.element_ty == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        v = bits.to(tl.float32, bitcast=True)
+        v = (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
     return v.to(ptr.dtype.element_ty)
 
 
