@@ -10,25 +10,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.timing import event_median_ms  # noqa: E402
+
 BATCHES = (1, 8, 32, 64, 128)
-
-
-def _time_us(fn, repeats: int = 50) -> float:  # noqa: ANN001
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def _rank(rank: int, world: int, hidden: int, port: int) -> None:
@@ -40,7 +33,7 @@ def _rank(rank: int, world: int, hidden: int, port: int) -> None:
         x = torch.randn(batch, hidden, device="cuda", dtype=torch.bfloat16)
         for _ in range(10):
             dist.all_reduce(x)
-        eager = _time_us(lambda: dist.all_reduce(x))
+        eager = event_median_ms(lambda: dist.all_reduce(x), 50) * 1e3
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
@@ -49,7 +42,7 @@ def _rank(rank: int, world: int, hidden: int, port: int) -> None:
             with torch.cuda.graph(graph, stream=stream):
                 for _ in range(20):
                     dist.all_reduce(x)
-        graphed = _time_us(graph.replay) / 20
+        graphed = event_median_ms(graph.replay, 50) * 1e3 / 20
         torch.cuda.synchronize()
         del graph  # a captured NCCL graph left alive at teardown hangs the process group's destruction
         rows.append((batch, batch * hidden * 2 / 1024, eager, graphed))

@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.testing  # noqa: E402
 
+from bench.timing import OUT_DIR, bench_graph, hbm_copy_gbs, pick, run_log  # noqa: E402
 from kernels.fp8_gemm import (  # noqa: E402
     FP8GemmConfig,
     dequantize_weight_blocks,
@@ -52,48 +50,13 @@ SHAPES = {  # name: (N, K) of one TP8 rank
 MS = (1, 8, 32, 64, 128)
 ROTATE_BYTES = 256 << 20  # weight copies per timed graph, well beyond the 50 MB L2
 
-OUT_DIR = Path(os.environ.get("OUT") or Path(__file__).parent / "out")
-LOG: list[str] = []
+log = run_log("fp8_gemm")
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-    LOG.append(msg)
-    if OUT_DIR.is_dir():  # written as it goes, so a run cut short still leaves its log
-        with open(OUT_DIR / "fp8_gemm.log", "a") as f:
-            f.write(msg + "\n")
 
 
-def bench_graph(fns: list, iters: int = 10) -> float:
-    """Median milliseconds per call of the calls in `fns`, captured in one CUDA graph (no launch gaps)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) / len(fns)
 
 
-def hbm_copy_gbs() -> float:
-    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
-    return 2 * src.numel() / ms / 1e6
 
 
 def cfg_name(c: FP8GemmConfig) -> str:
@@ -127,18 +90,6 @@ def variants(best: FP8GemmConfig, k: int) -> list[FP8GemmConfig]:
     return out
 
 
-def pick(label: str, cands: list, time_of) -> tuple[object, float] | None:
-    timings = []
-    for cfg in cands:
-        try:
-            timings.append((time_of(cfg), cfg))
-            log(f"  {label} {cfg_name(cfg)}: {timings[-1][0] * 1e3:.1f} us")
-        except Exception as exc:  # a config that does not compile or fit is skipped
-            log(f"  {label} {cfg_name(cfg)}: failed {type(exc).__name__}: {str(exc)[:200]}")
-    if not timings:
-        return None
-    ms, cfg = min(timings, key=lambda t: t[0])
-    return cfg, ms
 
 
 def run_shape(name: str, n: int, k: int, ms_list, hbm: float, sms: int, sweep: bool, rows: list) -> None:
@@ -158,9 +109,9 @@ def run_shape(name: str, n: int, k: int, ms_list, hbm: float, sms: int, sweep: b
         ms = bench_graph(calls(default))
         best, best_ms = default, ms
         if sweep:
-            found = pick(label, candidates(m, n, k, sms), lambda c: bench_graph(calls(c)))
+            found = pick(label, candidates(m, n, k, sms), lambda c: bench_graph(calls(c)), cfg_name, log)
             if found is not None:
-                found = pick(label, variants(found[0], k), lambda c: bench_graph(calls(c)))
+                found = pick(label, variants(found[0], k), lambda c: bench_graph(calls(c)), cfg_name, log)
             if found is not None and found[1] < best_ms:
                 best, best_ms = found
         ms16 = bench_graph([lambda ww=ww: torch.matmul(x, ww.T) for ww in w16])

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-import triton.testing  # noqa: E402
 
+from bench.timing import OUT_DIR, bench, bench_graph, hbm_copy_gbs, pick, run_log  # noqa: E402
 from kernels.fp8_gemm import fp8_block_linear, quantize_weight_blocks  # noqa: E402
 from kernels.fused_moe import FusedMoEConfig, fused_moe  # noqa: E402
 from kernels.moe_align import moe_align  # noqa: E402
@@ -48,55 +47,15 @@ LAYERS = 4  # weight sets rotated in the timed graph (2.4 GB bf16 / 1.2 GB fp8 e
 ROUTINGS = 16  # calls per timed graph, each with its own routing
 WDTYPE = {False: torch.bfloat16, True: torch.float8_e4m3fn}
 
-OUT_DIR = Path(os.environ.get("OUT") or Path(__file__).parent / "out")
-LOG: list[str] = []
+log = run_log("fused_moe")
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-    LOG.append(msg)
-    if OUT_DIR.is_dir():  # written as it goes, so a run cut short still leaves its log
-        with open(OUT_DIR / "fused_moe.log", "a") as f:
-            f.write(msg + "\n")
 
 
-def bench_graph(fns: list, iters: int = 10) -> float:
-    """Median milliseconds per call of the calls in `fns`, captured in one CUDA graph (no launch gaps)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) / len(fns)
 
 
-def bench(fn, rep: int = 100) -> float:
-    """Median milliseconds of fn, L2 flushed between runs."""
-    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
-def hbm_copy_gbs() -> float:
-    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    gbs = 2 * src.numel() / bench(lambda: dst.copy_(src)) / 1e6
-    del src, dst
-    torch.cuda.empty_cache()
-    return gbs
 
 
 def make_layer(fmt: str, seed: int) -> dict:
@@ -179,19 +138,6 @@ def variants(best: FusedMoEConfig, fp8: bool) -> list[FusedMoEConfig]:
     return [c for i, c in enumerate(out) if c not in out[:i]]
 
 
-def pick(label: str, cands: list, time_of) -> tuple[FusedMoEConfig, float] | None:
-    timings = []
-    for cfg in cands:
-        try:
-            timings.append((time_of(cfg), cfg))
-            log(f"  {label} {cfg_name(cfg)}: {timings[-1][0] * 1e3:.1f} us")
-        except Exception as exc:  # a config that does not compile or fit is skipped
-            log(f"  {label} {cfg_name(cfg)}: failed {type(exc).__name__}: {str(exc)[:200]}")
-            torch.cuda.synchronize()
-    if not timings:
-        return None
-    ms, cfg = min(timings, key=lambda v: v[0])
-    return cfg, ms
 
 
 def run_format(fmt: str, tokens, hbm: float, sweep: bool, rows: list) -> None:
@@ -216,9 +162,9 @@ def run_format(fmt: str, tokens, hbm: float, sweep: bool, rows: list) -> None:
         ms = bench_graph(calls(default))
         best, best_ms = default, ms
         if sweep:
-            found = pick(label, candidates(t, fp8), lambda c: bench_graph(calls(c)))
+            found = pick(label, candidates(t, fp8), lambda c: bench_graph(calls(c)), cfg_name, log)
             if found is not None:
-                found = pick(label, variants(found[0], fp8), lambda c: bench_graph(calls(c)))
+                found = pick(label, variants(found[0], fp8), lambda c: bench_graph(calls(c)), cfg_name, log)
             if found is not None and found[1] < best_ms:
                 best, best_ms = found
         tw0, ids0 = routs[0]

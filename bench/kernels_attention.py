@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-import triton.testing  # noqa: E402
 
+from bench.timing import OUT_DIR, bench, bench_graph, hbm_copy_gbs, pick, run_log  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
 from kernels.indexer import IndexerConfig, indexer_scores, indexer_scores_ref, indexer_topk  # noqa: E402
 from kernels.sparse_mla import SparseMLAConfig, sparse_mla, sparse_mla_ref  # noqa: E402
@@ -57,57 +55,19 @@ INDEXER_CONFIGS = [IndexerConfig(block_t=64), IndexerConfig(block_t=128, num_sta
                    IndexerConfig(block_t=256, num_warps=8, num_stages=3), IndexerConfig(block_t=64, num_warps=4, num_stages=4)]
 ROTATE_BYTES = 256 << 20  # inputs rotated per timed graph so repeated calls do not hit L2 (60 MB)
 
-OUT_DIR = Path(os.environ.get("OUT") or Path(__file__).parent / "out")
-LOG: list[str] = []
+log = run_log("kernels_attention")
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-    LOG.append(msg)
-    if OUT_DIR.is_dir():  # written as it goes, so a run cut short still leaves its log
-        with open(OUT_DIR / "kernels_attention.log", "a") as f:
-            f.write(msg + "\n")
 
 
-def bench(fn, rep: int = 100) -> float:
-    """Median milliseconds of fn, L2 flushed between runs (used for the twins and the copy)."""
-    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
-def bench_graph(fns: list, iters: int = 10) -> float:
-    """Median milliseconds per call of the calls in `fns`, captured in one CUDA graph (no launch gaps)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times) / len(fns)
 
 
 def num_rotations(nbytes: int) -> int:
     return max(1, min(256, triton.cdiv(ROTATE_BYTES, nbytes)))
 
 
-def hbm_copy_gbs() -> float:
-    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() / ms / 1e6
 
 
 def glm_layout(kv_format: str) -> KVLayout:
@@ -153,14 +113,8 @@ def _cfg_name(cfg) -> str:
 
 
 def _pick(label: str, candidates: list, time_of) -> object:
-    timings = []
-    for cfg in candidates:
-        try:
-            timings.append((time_of(cfg), cfg))
-            log(f"  {label} {_cfg_name(cfg)}: {timings[-1][0] * 1e3:.1f} us")
-        except Exception as exc:  # a config that does not compile or fit is skipped
-            log(f"  {label} {_cfg_name(cfg)}: failed {type(exc).__name__}: {str(exc)[:200]}")
-    return min(timings, key=lambda t: t[0])[1] if timings else None
+    found = pick(label, candidates, time_of, _cfg_name, log)
+    return found[0] if found is not None else None
 
 
 def run_mla(hbm: float, rows_out: list) -> None:

@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.timing import event_median_ms, hbm_copy_gbs  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
 from engine.layers import MoE  # noqa: E402
@@ -71,29 +72,10 @@ def rank_config(layers: int, fp8: bool) -> dict:
     return raw
 
 
-def hbm_copy_gbs() -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second), median of 20."""
-    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / _median_ms(lambda: dst.copy_(src)) / 1e6
-
-
 def dense_tflops() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192**3 / _median_ms(lambda: a @ a) / 1e9
-
-
-def _median_ms(fn, repeats: int = 20) -> float:  # noqa: ANN001
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    a @ a  # noqa: B018 - warm-up
+    return 2 * 8192**3 / event_median_ms(lambda: a @ a) / 1e9
 
 
 class ExpertCounter:

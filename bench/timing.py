@@ -1,0 +1,94 @@
+"""Timing helpers shared by the GPU benchmarks: medians, CUDA-graph timing, the HBM ceiling, run logs.
+
+Every benchmark divides by a ceiling measured in its own run; `hbm_copy_gbs` is that
+ceiling for HBM (a 2 GiB device-to-device copy, bytes read plus written per second).
+Logs go to stdout and, as they are written, to `$OUT/<name>.log` (default bench/out),
+so a run cut short still leaves its log.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton.testing
+
+OUT_DIR = Path(os.environ.get("OUT") or Path(__file__).parent / "out")
+
+
+def run_log(name: str) -> Callable[[str], None]:
+    """A `log(msg)` that prints and appends to `OUT_DIR/<name>.log` when that folder exists."""
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        if OUT_DIR.is_dir():
+            with open(OUT_DIR / f"{name}.log", "a") as f:
+                f.write(msg + "\n")
+
+    return log
+
+
+def bench(fn: Callable[[], object], rep: int = 100) -> float:
+    """Median milliseconds of fn, L2 flushed between runs."""
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def event_median_ms(fn: Callable[[], object], repeats: int = 20) -> float:
+    """Median milliseconds of fn between two CUDA events (no L2 flush: for calls that own their data)."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def bench_graph(fns: list[Callable[[], object]], iters: int = 10) -> float:
+    """Median milliseconds per call of the calls in `fns`, captured in one CUDA graph (no launch gaps)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    ms = event_median_ms(graph.replay, iters)
+    del graph
+    return ms / len(fns)
+
+
+def hbm_copy_gbs() -> float:
+    """HBM copy bandwidth in GB/s (bytes read + written), its buffers freed afterwards."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    gbs = 2 * src.numel() / bench(lambda: dst.copy_(src)) / 1e6
+    del src, dst
+    torch.cuda.empty_cache()
+    return gbs
+
+
+def pick(label: str, configs: list, time_of: Callable[[object], float], name_of: Callable[[object], str],
+         log: Callable[[str], None]) -> tuple[object, float] | None:
+    """The fastest of `configs` by `time_of` (ms), each timing logged; configs that fail are skipped."""
+    timings = []
+    for cfg in configs:
+        try:
+            timings.append((time_of(cfg), cfg))
+            log(f"  {label} {name_of(cfg)}: {timings[-1][0] * 1e3:.1f} us")
+        except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is skipped
+            log(f"  {label} {name_of(cfg)}: failed {type(exc).__name__}: {str(exc)[:200]}")
+            torch.cuda.synchronize()
+    if not timings:
+        return None
+    ms, cfg = min(timings, key=lambda t: t[0])
+    return cfg, ms
