@@ -15,9 +15,8 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,24 +24,17 @@ import httpx
 import openai
 import pytest
 import ray
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
 
 from app.main import build_app
+from tests.serve_helpers import ROOT, free_port, replica_idle, replica_stats, tiny_args, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
 logger = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-PORT = _free_port()
+PORT = free_port()
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "glm-tiny"
 KEY, KEY_ENV = "hardening-secret", "HISPARSE_TEST_HARDENING_KEY"
@@ -50,10 +42,7 @@ LONG_TURN = "the weather in the city of Paris " * 70  # about 800 prompt tokens:
 
 
 def _args(model_dir: Path) -> dict[str, Any]:
-    args = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())["applications"][0]["args"]
-    args["model"]["path"] = str(model_dir)
-    args["disagg"]["prefill_timeout_s"] = 20
-    args["metrics_interval_s"] = 0.5
+    args = tiny_args(model_dir)
     args["decode"]["health_check_period_s"] = 1
     args["prefill"]["health_check_period_s"] = 1
     return args
@@ -87,22 +76,6 @@ def cluster(tiny_dir: Path) -> Iterator[None]:
 def _replicas(deployment: str, app: str = "hard") -> set[str]:
     prefix = f"SERVE_REPLICA::{app}#{deployment}#"
     return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)}
-
-
-def _stats(deployment: str, app: str = "hard") -> dict[str, Any]:
-    return serve.get_deployment_handle(deployment, app).stats.remote().result()
-
-
-def _wait_for(check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.1)
-
-
-def _idle(deployment: str, app: str = "hard") -> bool:
-    stats = _stats(deployment, app)
-    return stats["running"] == stats["waiting"] == stats["pages_in_use"] == 0 and stats.get("host_pages_in_use", 0) == 0
 
 
 @pytest.fixture
@@ -315,7 +288,7 @@ def test_overload_503_says_when_to_retry(cluster: None) -> None:
     refused = [r for r in asyncio.run(burst()) if r.status_code == 503]
     assert refused and all(int(r.headers["retry-after"]) >= 1 for r in refused)
     _assert_openai_error(refused[0], 503)
-    _wait_for(lambda: _idle("DecodeServer", "keyed"))
+    wait_for(lambda: replica_idle("DecodeServer", "keyed"))
 
 
 def test_app_logs_reach_the_replica_log(cluster: None) -> None:
@@ -352,8 +325,8 @@ def test_streams_with_disconnects_all_end_and_pools_return(decode_replica: set[s
 
     outcomes = asyncio.run(run())
     assert outcomes.count("left") == 6 and outcomes.count("done") == 12, outcomes
-    _wait_for(lambda: _idle("DecodeServer") and _idle("PrefillServer"))
-    stats = _stats("DecodeServer")
+    wait_for(lambda: replica_idle("DecodeServer", "hard") and replica_idle("PrefillServer", "hard"))
+    stats = replica_stats("DecodeServer", "hard")
     assert stats["pages_free"] + stats["pages_cached"] == stats["num_pages"]
 
 
@@ -380,17 +353,17 @@ def test_killing_the_prefill_replica_mid_transfer(cluster: None) -> None:
             return await asyncio.gather(*tasks)
 
     killed = _replicas("PrefillServer")
-    reasons = asyncio.run(run(_stats("DecodeServer").get("remote_prefills", 0)))
+    reasons = asyncio.run(run(replica_stats("DecodeServer", "hard").get("remote_prefills", 0)))
     assert all(reason in ("stop", "length") for reason in reasons)
     started = time.monotonic()
-    _wait_for(lambda: bool(_replicas("PrefillServer")) and _replicas("PrefillServer") != killed, 60)
-    moved = _stats("DecodeServer").get("remote_prefills", 0)
+    wait_for(lambda: bool(_replicas("PrefillServer")) and _replicas("PrefillServer") != killed, 60)
+    moved = replica_stats("DecodeServer", "hard").get("remote_prefills", 0)
 
     def prefills_again() -> bool:
         _post("/v1/chat/completions", _chat(f"After {time.monotonic()}: " + LONG_TURN, max_tokens=1))
-        return _stats("DecodeServer").get("remote_prefills", 0) > moved
+        return replica_stats("DecodeServer", "hard").get("remote_prefills", 0) > moved
 
-    _wait_for(prefills_again, 60)
+    wait_for(prefills_again, 60)
     print(f"\nprefill replica killed mid-transfer: no request lost; remote prefill again after "
           f"{time.monotonic() - started:.1f} s")
 
@@ -411,7 +384,7 @@ def test_killing_the_decode_replica_mid_stream(cluster: None) -> None:
     def serving() -> bool:
         return _post("/v1/chat/completions", _chat("back?", max_tokens=2)).status_code == 200
 
-    _wait_for(serving, 90)
+    wait_for(serving, 90)
     recovery = time.monotonic() - started
     assert httpx.get(f"{BASE}/health").status_code == 200
     print(f"\ndecode replica killed mid-stream: the stream ended with a 503 error event; serving again after "

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,38 +19,20 @@ import httpx
 import openai
 import pytest
 import ray
-import yaml
 from ray import serve
 
 from app.main import build_app
+from tests.serve_helpers import ROOT, free_port, replica_idle, replica_stats, tiny_args, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    """A loopback port nothing listens on, so runs beside other Serve instances do not collide."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-PORT = _free_port()
+PORT = free_port()
 BASE = f"http://127.0.0.1:{PORT}"
 MODEL = "glm-tiny"
 TIGHT_KEY = "test-secret"
 LONG_USER_TURN = "the weather in the city of Paris " * 70  # about 800 prompt tokens: one indexer page moves
 
 
-def _tiny_args(model_dir: Path) -> dict[str, Any]:
-    args = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())["applications"][0]["args"]
-    args["model"]["path"] = str(model_dir)
-    args["disagg"]["prefill_timeout_s"] = 20
-    args["metrics_interval_s"] = 0.5
-    return args
-
-
 def _tight_args(model_dir: Path) -> dict[str, Any]:
-    args = _tiny_args(model_dir)
+    args = tiny_args(model_dir)
     args["model_id"] = "glm-tiny-tight"
     args["prefill"]["num_replicas"] = 0
     args["decode"].update(max_ongoing_requests=1, max_queued_requests=1, num_cpus=0.25)
@@ -61,7 +41,7 @@ def _tight_args(model_dir: Path) -> dict[str, Any]:
 
 
 def _pressure_args(model_dir: Path) -> dict[str, Any]:
-    args = _tiny_args(model_dir)
+    args = tiny_args(model_dir)
     args["model_id"] = "glm-tiny-pressure"
     args["engine"]["num_gpu_pages"] = 24  # one long request holds most of it
     args["decode"]["num_cpus"] = args["prefill"]["num_cpus"] = 0.25
@@ -73,7 +53,7 @@ def cluster(tiny_dir: Path) -> Iterator[None]:
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
              _system_config={"metrics_report_interval_ms": 1000})
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app(_tiny_args(tiny_dir)), name="hisparse", route_prefix="/")
+    serve.run(build_app(tiny_args(tiny_dir)), name="hisparse", route_prefix="/")
     serve.run(build_app(_tight_args(tiny_dir)), name="tight", route_prefix="/tight")
     serve.run(build_app(_pressure_args(tiny_dir)), name="pressure", route_prefix="/pressure")
     yield
@@ -84,22 +64,6 @@ def cluster(tiny_dir: Path) -> Iterator[None]:
 @pytest.fixture
 def client(cluster: None) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _stats(deployment: str, app: str = "hisparse") -> dict[str, Any]:
-    return serve.get_deployment_handle(deployment, app).stats.remote().result()
-
-
-def _wait_for(check: Callable[[], bool], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.2)
-
-
-def _idle(deployment: str, app: str = "hisparse") -> bool:
-    stats = _stats(deployment, app)
-    return stats["running"] == stats["waiting"] == stats["pages_in_use"] == 0 and stats.get("host_pages_in_use", 0) == 0
 
 
 def _chat(text: str, **kw: Any) -> dict[str, Any]:
@@ -199,10 +163,10 @@ def test_errors_through_the_client_and_serving_after(client: openai.OpenAI) -> N
 
 
 def test_prefill_decode_path_is_taken(client: openai.OpenAI) -> None:
-    before_p, before_d = _stats("PrefillServer"), _stats("DecodeServer")
+    before_p, before_d = replica_stats("PrefillServer", "hisparse"), replica_stats("DecodeServer", "hisparse")
     reply = client.chat.completions.create(**_chat("Tell me about " + LONG_USER_TURN), max_tokens=4)
     assert reply.usage.prompt_tokens_details.cached_tokens >= 576
-    after_p, after_d = _stats("PrefillServer"), _stats("DecodeServer")
+    after_p, after_d = replica_stats("PrefillServer", "hisparse"), replica_stats("DecodeServer", "hisparse")
     assert after_p.get("prefills", 0) == before_p.get("prefills", 0) + 1
     assert after_p["prefill_computed_tokens"] - before_p.get("prefill_computed_tokens", 0) >= 576
     assert after_d["remote_prefills"] == before_d.get("remote_prefills", 0) + 1
@@ -213,19 +177,19 @@ def test_prefill_decode_path_is_taken(client: openai.OpenAI) -> None:
                                              {"role": "assistant", "content": "Sure."},
                                              {"role": "user", "content": "More?"}])
     assert follow.usage.prompt_tokens_details.cached_tokens >= 576
-    assert _stats("DecodeServer")["remote_prefills"] == after_d["remote_prefills"]
+    assert replica_stats("DecodeServer", "hisparse")["remote_prefills"] == after_d["remote_prefills"]
 
 
 def test_disconnect_mid_stream_frees_pages(cluster: None) -> None:
-    aborted = _stats("DecodeServer").get("finished_abort", 0)
+    aborted = replica_stats("DecodeServer", "hisparse").get("finished_abort", 0)
     body = _chat("Keep talking", max_tokens=1500, stream=True, ignore_eos=True)
     with httpx.stream("POST", f"{BASE}/v1/chat/completions", json=body, timeout=60) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
         for _ in range(4):
             next(lines)
-    _wait_for(lambda: _stats("DecodeServer").get("finished_abort", 0) == aborted + 1, 20)
-    _wait_for(lambda: _idle("DecodeServer"), 10)
+    wait_for(lambda: replica_stats("DecodeServer", "hisparse").get("finished_abort", 0) == aborted + 1, 20)
+    wait_for(lambda: replica_idle("DecodeServer", "hisparse"), 10)
 
 
 def test_burst_of_streams_completes_and_pools_return_to_baseline(cluster: None) -> None:
@@ -241,8 +205,8 @@ def test_burst_of_streams_completes_and_pools_return_to_baseline(cluster: None) 
             return await asyncio.gather(*(one(client, i) for i in range(12)))
 
     assert asyncio.run(burst()) == ["length"] * 12
-    _wait_for(lambda: _idle("DecodeServer") and _idle("PrefillServer"))
-    stats = _stats("DecodeServer")
+    wait_for(lambda: replica_idle("DecodeServer", "hisparse") and replica_idle("PrefillServer", "hisparse"))
+    stats = replica_stats("DecodeServer", "hisparse")
     assert stats["pages_free"] + stats["pages_cached"] == stats["num_pages"]
 
 
@@ -262,7 +226,7 @@ def test_overload_gets_503_and_api_key_is_enforced(cluster: None) -> None:
     assert next(r for r in responses if r.status_code == 503).json()["error"]["code"] == "overloaded"
     small = {**body, "max_tokens": 2}
     assert httpx.post(url, json=small, headers=auth).status_code == 200
-    _wait_for(lambda: _idle("DecodeServer", "tight"))
+    wait_for(lambda: replica_idle("DecodeServer", "tight"))
 
 
 def test_kv_lands_in_the_host_pool_when_the_gpu_pool_is_short(cluster: None) -> None:
@@ -270,17 +234,17 @@ def test_kv_lands_in_the_host_pool_when_the_gpu_pool_is_short(cluster: None) -> 
     # About 900 prompt tokens plus 300 output tokens: 17 pages at once, 22 at the end.
     busy = {**_chat("Busy: " + LONG_USER_TURN + LONG_USER_TURN[:330]), "model": "glm-tiny-pressure",
             "max_tokens": 300, "stream": True, "ignore_eos": True}
-    before = _stats("DecodeServer", "pressure")
+    before = replica_stats("DecodeServer", "pressure")
     with httpx.stream("POST", url, json=busy, timeout=60) as background:
         lines = background.iter_lines()
         assert next(lines).startswith("data: ")  # its prompt is computed: it holds most of the pool now
         body = {**_chat("Tell me about " + LONG_USER_TURN), "model": "glm-tiny-pressure", "max_tokens": 4}
         reply = httpx.post(url, json=body, timeout=60).json()
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= 576
-        after = _stats("DecodeServer", "pressure")
+        after = replica_stats("DecodeServer", "pressure")
         assert after.get("imported_tokens_host", 0) - before.get("imported_tokens_host", 0) >= 576
         assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
-    _wait_for(lambda: _idle("DecodeServer", "pressure"))
+    wait_for(lambda: replica_idle("DecodeServer", "pressure"))
 
 
 def test_metrics_reach_the_export_endpoint(cluster: None) -> None:
@@ -294,7 +258,7 @@ def test_metrics_reach_the_export_endpoint(cluster: None) -> None:
         lines = [line for line in text.splitlines() if 'model_name="glm-tiny"' in line and "WorkerId=" in line]
         return all(any(line.startswith(name) for line in lines) for name in wanted)
 
-    _wait_for(exported, 60)
+    wait_for(exported, 60)
 
 
 def test_killing_the_prefill_replica_loses_no_request(cluster: None) -> None:
@@ -316,14 +280,14 @@ def test_killing_the_prefill_replica_loses_no_request(cluster: None) -> None:
             ray.kill(prefill_actor(), no_restart=True)  # the others are queued at or running on it
             return await asyncio.gather(*tasks)
 
-    before = _stats("DecodeServer")
+    before = replica_stats("DecodeServer", "hisparse")
     reasons = asyncio.run(load_while_killing(before.get("remote_prefills", 0)))
     assert all(reason in ("stop", "length") for reason in reasons)
-    after = _stats("DecodeServer")
+    after = replica_stats("DecodeServer", "hisparse")
     moved = after.get("remote_prefills", 0) - before.get("remote_prefills", 0)
     fell_back = after.get("transfer_fallbacks", 0) - before.get("transfer_fallbacks", 0)
     assert moved + fell_back == 8 and fell_back >= 1
-    _wait_for(lambda: _idle("DecodeServer"))
+    wait_for(lambda: replica_idle("DecodeServer", "hisparse"))
 
 
 def test_deleting_an_application_drains_its_streams(cluster: None) -> None:
