@@ -353,8 +353,14 @@ def test_killing_the_prefill_replica_mid_transfer(cluster: None) -> None:
             return await asyncio.gather(*tasks)
 
     killed = _replicas("PrefillServer")
-    reasons = asyncio.run(run(replica_stats("DecodeServer", "hard").get("remote_prefills", 0)))
+    before = replica_stats("DecodeServer", "hard")
+    reasons = asyncio.run(run(before.get("remote_prefills", 0)))
     assert all(reason in ("stop", "length") for reason in reasons)
+    after = replica_stats("DecodeServer", "hard")
+    moved = after.get("remote_prefills", 0) - before.get("remote_prefills", 0)
+    fell_back = after.get("transfer_fallbacks", 0) - before.get("transfer_fallbacks", 0)
+    assert moved + fell_back == 6 and fell_back >= 1  # every request either moved its KV or prefilled itself
+    wait_for(lambda: replica_idle("DecodeServer", "hard"))
     started = time.monotonic()
     wait_for(lambda: bool(_replicas("PrefillServer")) and _replicas("PrefillServer") != killed, 60)
     moved = replica_stats("DecodeServer", "hard").get("remote_prefills", 0)
