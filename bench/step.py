@@ -45,7 +45,7 @@ from engine.kv_layout import KVLayout  # noqa: E402
 from engine.layers import MoE  # noqa: E402
 from engine.linear import WeightFormat  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.memory_plan import _attention_bytes, _indexer_bytes, _linear_bytes  # noqa: E402
+from engine.memory_plan import attention_weight_bytes, indexer_weight_bytes, linear_weight_bytes  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.prefix_transfer import PrefixSnapshot, install_prefix, snapshot_prefix  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
@@ -181,12 +181,12 @@ def layer_floor(cfg: ModelConfig, fmt: WeightFormat, batch: int, ctx: int, exper
     d = 2
     expert = cfg.moe_intermediate_size
     fp8 = fmt.is_fp8("experts")
-    per_expert = _linear_bytes(2 * expert, cfg.hidden_size, fp8, d) + _linear_bytes(cfg.hidden_size, expert, fp8, d)
-    weights = (_attention_bytes(cfg, cfg.num_attention_heads, fmt, d) + _indexer_bytes(cfg, fmt, d) / 4
+    per_expert = linear_weight_bytes(2 * expert, cfg.hidden_size, fp8, d) + linear_weight_bytes(cfg.hidden_size, expert, fp8, d)
+    weights = (attention_weight_bytes(cfg, cfg.num_attention_heads, fmt, d) + indexer_weight_bytes(cfg, fmt, d) / 4
                + (experts + 1) * per_expert + cfg.n_routed_experts * cfg.hidden_size * d)
     kv = batch * min(cfg.index_topk, ctx) * MLA_ROW_BYTES + batch * ctx * INDEXER_ROW_BYTES / 4
     bytes_ms = (weights + kv) / gbs / 1e6
-    active = (_attention_bytes(cfg, cfg.num_attention_heads, WeightFormat(), 1)
+    active = (attention_weight_bytes(cfg, cfg.num_attention_heads, WeightFormat(), 1)
               + (cfg.num_experts_per_tok + 1) * 3 * cfg.hidden_size * expert)
     attention = 2 * cfg.num_attention_heads * min(cfg.index_topk, ctx) * (cfg.kv_lora_rank * 2 + cfg.qk_rope_head_dim)
     indexer = 2 * cfg.index_n_heads * ctx * cfg.index_head_dim / 4

@@ -44,30 +44,30 @@ class Footprint:
     host_pages: int
 
 
-def _linear_bytes(out_features: int, in_features: int, fp8: bool, dtype_bytes: int) -> int:
+def linear_weight_bytes(out_features: int, in_features: int, fp8: bool, dtype_bytes: int) -> int:
     """A linear layer's weight: e4m3 values plus one float32 scale per 128x128 block, or dense values."""
     if not fp8:
         return out_features * in_features * dtype_bytes
     return out_features * in_features + 4 * -(-out_features // FP8_BLOCK) * -(-in_features // FP8_BLOCK)
 
 
-def _attention_bytes(cfg: ModelConfig, heads: int, fmt: WeightFormat, d: int) -> int:
+def attention_weight_bytes(cfg: ModelConfig, heads: int, fmt: WeightFormat, d: int) -> int:
     h = cfg.hidden_size
     return (
-        _linear_bytes(cfg.q_lora_rank, h, fmt.is_fp8("q_a_proj"), d)
-        + _linear_bytes(heads * cfg.qk_head_dim, cfg.q_lora_rank, fmt.is_fp8("q_b_proj"), d)
-        + _linear_bytes(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h, fmt.is_fp8("kv_a_proj_with_mqa"), d)
-        + _linear_bytes(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, False, d)
-        + _linear_bytes(h, heads * cfg.v_head_dim, fmt.is_fp8("o_proj"), d)
+        linear_weight_bytes(cfg.q_lora_rank, h, fmt.is_fp8("q_a_proj"), d)
+        + linear_weight_bytes(heads * cfg.qk_head_dim, cfg.q_lora_rank, fmt.is_fp8("q_b_proj"), d)
+        + linear_weight_bytes(cfg.kv_lora_rank + cfg.qk_rope_head_dim, h, fmt.is_fp8("kv_a_proj_with_mqa"), d)
+        + linear_weight_bytes(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank, False, d)
+        + linear_weight_bytes(h, heads * cfg.v_head_dim, fmt.is_fp8("o_proj"), d)
         + (cfg.q_lora_rank + cfg.kv_lora_rank) * d  # the two latent norms
     )
 
 
-def _indexer_bytes(cfg: ModelConfig, fmt: WeightFormat, d: int) -> int:
+def indexer_weight_bytes(cfg: ModelConfig, fmt: WeightFormat, d: int) -> int:
     h, heads, dim = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
     return (
-        _linear_bytes(heads * dim, cfg.q_lora_rank, fmt.is_fp8("wq_b"), d)
-        + _linear_bytes(dim, h, fmt.is_fp8("wk"), d)
+        linear_weight_bytes(heads * dim, cfg.q_lora_rank, fmt.is_fp8("wq_b"), d)
+        + linear_weight_bytes(dim, h, fmt.is_fp8("wk"), d)
         + 2 * dim * d  # key LayerNorm weight and bias
         + heads * h * 4  # head weights, float32 as published
     )
@@ -77,16 +77,16 @@ def _moe_bytes(cfg: ModelConfig, expert: int, fmt: WeightFormat, d: int) -> int:
     h, fp8 = cfg.hidden_size, fmt.is_fp8("experts")
     folded = cfg.n_shared_experts == 1
     slots = cfg.n_routed_experts + (1 if folded else 0)
-    experts = slots * (_linear_bytes(2 * expert, h, fp8, d) + _linear_bytes(h, expert, fp8, d))
+    experts = slots * (linear_weight_bytes(2 * expert, h, fp8, d) + linear_weight_bytes(h, expert, fp8, d))
     shared = 0 if folded else _mlp_bytes(h, expert * cfg.n_shared_experts, fmt, d)
     router = cfg.n_routed_experts * h * d + cfg.n_routed_experts * 4  # weight, float32 correction bias
     return experts + shared + router
 
 
 def _mlp_bytes(hidden: int, intermediate: int, fmt: WeightFormat, d: int) -> int:
-    return (_linear_bytes(intermediate, hidden, fmt.is_fp8("gate_proj"), d)
-            + _linear_bytes(intermediate, hidden, fmt.is_fp8("up_proj"), d)
-            + _linear_bytes(hidden, intermediate, fmt.is_fp8("down_proj"), d))
+    return (linear_weight_bytes(intermediate, hidden, fmt.is_fp8("gate_proj"), d)
+            + linear_weight_bytes(intermediate, hidden, fmt.is_fp8("up_proj"), d)
+            + linear_weight_bytes(hidden, intermediate, fmt.is_fp8("down_proj"), d))
 
 
 def weight_bytes(cfg: ModelConfig, tp_size: int, fmt: WeightFormat, dtype: torch.dtype) -> int:
@@ -98,9 +98,9 @@ def weight_bytes(cfg: ModelConfig, tp_size: int, fmt: WeightFormat, dtype: torch
     heads = cfg.num_attention_heads // tp_size
     total = 2 * cfg.vocab_size * h * d + h * d + cfg.qk_rope_head_dim // 2 * 4  # embedding, lm_head, norm, rope
     for layer in range(cfg.num_hidden_layers):
-        total += 2 * h * d + _attention_bytes(cfg, heads, fmt, d)
+        total += 2 * h * d + attention_weight_bytes(cfg, heads, fmt, d)
         if cfg.indexer_types[layer] == "full":
-            total += _indexer_bytes(cfg, fmt, d)
+            total += indexer_weight_bytes(cfg, fmt, d)
         if cfg.is_moe_layer(layer):
             total += _moe_bytes(cfg, cfg.moe_intermediate_size // tp_size, fmt, d)
         else:
