@@ -94,6 +94,8 @@ class EngineArgs(_Section):
     """GPUs one replica spans (the model's heads and MLP features are split over them)."""
     executor: Literal["mp", "ray"] = "mp"
     """How tensor-parallel ranks run: processes the replica spawns, or Ray actors in its placement group."""
+    enforce_eager: bool = False
+    """Decode steps run eagerly instead of as captured CUDA graphs over persistent buffers (debugging)."""
     num_speculative_tokens: int = Field(0, ge=0)
     """Draft tokens per step from the model's MTP layers; 0 = off."""
     attention_config: AttentionArgs = AttentionArgs()

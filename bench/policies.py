@@ -13,7 +13,8 @@ when the previous one finishes.
 Top-K source: the model's own indexer (`--trace model`), or a synthetic decode
 trace (`--trace synthetic`, `bench/topk_trace.py`) whose reuse distances reproduce published
 miss rates (about 30 / 13.4 / 6.7 % for an LRU of 1x / 2x / 4x top-K), drawn for every decode row
-of a step at once on the GPU.
+of a step at once on the GPU. Decode steps run as captured CUDA graphs with the model's indexer
+and eagerly with the synthetic trace (its draws are Python calls a replay would skip).
 
 Prints one table per run: mean running requests, output tokens/s, TPOT p50/p90,
 TTFT p50, hot hit rate, host-to-device GB/s and its share of the pinned H2D copy
@@ -185,6 +186,7 @@ def run_policy(args: argparse.Namespace, model_dir: Path, policy: str, trace: st
         kv_dtype="fp8" if args.device == "cuda" else "auto", device=args.device, num_gpu_pages=pages,
         max_num_batched_tokens=max(256, int(32768 * s)), max_num_seqs=256, random_weights=True,
         max_model_len=1 << 20, hisparse=hs, enable_prefix_cache=True,
+        enforce_eager=trace == "synthetic",  # the synthetic trace draws in Python each step: no graph replays it
     ))
     if trace == "synthetic":
         engine.executor.worker.ops = SyntheticTopK(engine.executor.worker.ops)  # the ops the forward uses

@@ -9,10 +9,13 @@ fixed cost (scheduling, sampling, output): per layer = (t8 - t4) / 4, fixed = t4
 Contexts are built without computing them B times: one prompt is prefilled, its cached pages are
 copied (device to device) under every other request's prefix hashes, so each of the B requests owns
 distinct pages of valid KV, read from HBM like any other; decode steps then run through the engine
-(`LLMEngine.step`: schedule, forward, sample, outputs), timed after a warm-up. Each step is also
-measured by the GPU time of its kernels (torch.profiler, three more steps): the wall time per layer
-includes launching roughly a hundred kernels from Python, the device time per layer is what the
-layer costs once the step is captured in a CUDA graph.
+(`LLMEngine.step`: schedule, forward, sample, outputs), timed after a warm-up, in two modes side by
+side: `graph` (decode steps replayed as captured CUDA graphs, engine/rank/decode_graphs.py) and
+`eager` (`enforce_eager`: every kernel launched from Python). Each step is also measured by the GPU
+time of its kernels (torch.profiler, three more steps). The graphs' page tables are padded to a
+width bucket (engine/rank/decode_graphs.py), and the indexer scores the bucket's width: the default
+contexts sit just under a bucket edge (8192, 65536), as a context just past one pays up to 1.5x the
+indexer's scoring.
 
 The floor of one layer of one step is the bytes it must read from HBM: the weights the batch touches
 (attention, the indexer's on full layers, the router, and every distinct expert the batch routes to,
@@ -83,10 +86,13 @@ class ExpertCounter:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.counts: list[int] = []
-        self._model = engine.executor.worker.model  # one rank: the engine's own process
+        self._worker = engine.executor.worker  # one rank: the engine's own process
+        self._model = self._worker.model
+        self._graphs = self._worker.graphs
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
     def __enter__(self) -> ExpertCounter:
+        self._worker.graphs = None  # hooks see eager steps only
         for module in self._model.modules():
             if isinstance(module, MoE):
                 self._hooks.append(module.gate.register_forward_hook(self._count))
@@ -96,6 +102,7 @@ class ExpertCounter:
         self.counts.append(int(output[1].unique().numel()))
 
     def __exit__(self, *exc: object) -> None:
+        self._worker.graphs = self._graphs
         for hook in self._hooks:
             hook.remove()
 
@@ -194,13 +201,14 @@ def layer_floor(cfg: ModelConfig, fmt: WeightFormat, batch: int, ctx: int, exper
     return bytes_ms, flops_ms
 
 
-def run(args: argparse.Namespace, fp8: bool, layers: int, pages: int) -> dict[tuple[int, int], Measured]:
+def run(args: argparse.Namespace, fp8: bool, eager: bool, layers: int, pages: int) -> dict[tuple[int, int], Measured]:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(rank_config(layers, fp8)))
         engine = LLMEngine(EngineConfig(
             model=tmp, dtype="bfloat16", kv_dtype="fp8", device="cuda", num_gpu_pages=pages, random_weights=True,
             quantization="fp8" if fp8 else "none", max_num_seqs=max(args.batches),
-            max_num_batched_tokens=args.chunk, max_model_len=max(args.contexts) + 64, enable_prefix_cache=True))
+            max_num_batched_tokens=args.chunk, max_model_len=max(args.contexts) + 64, enable_prefix_cache=True,
+            enforce_eager=eager))
         results = {}
         for ctx in args.contexts:
             prompts = build_contexts(engine, ctx, max(args.batches), seed=ctx)
@@ -208,8 +216,8 @@ def run(args: argparse.Namespace, fp8: bool, layers: int, pages: int) -> dict[tu
                 profile_steps(engine, prompts[: args.profile_batch], args.profile / f"profile-{layers}l-{ctx}.txt")
             for batch in args.batches:
                 results[(ctx, batch)] = measure(engine, prompts[:batch])
-                logger.info("%s %d layers ctx %d B %d: %.2f ms", "fp8" if fp8 else "bf16", layers, ctx, batch,
-                            results[(ctx, batch)].step_ms)
+                logger.info("%s %s %d layers ctx %d B %d: %.2f ms", "fp8" if fp8 else "bf16",
+                            "eager" if eager else "graph", layers, ctx, batch, results[(ctx, batch)].step_ms)
         engine.shutdown()
         del engine
         torch.cuda.empty_cache()
@@ -218,9 +226,10 @@ def run(args: argparse.Namespace, fp8: bool, layers: int, pages: int) -> dict[tu
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 65536])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8100, 65400])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--formats", nargs="+", default=["fp8", "bf16"])
+    parser.add_argument("--modes", nargs="+", default=["graph", "eager"], choices=["graph", "eager"])
     parser.add_argument("--depths", type=int, nargs=2, default=[4, 8])
     parser.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens of the prefill")
     parser.add_argument("--pool-gib", type=float, default=60.0, help="KV pool of the engine")
@@ -234,12 +243,12 @@ def main() -> None:
     gbs, tflops = hbm_copy_gbs(), dense_tflops()
     print(f"HBM copy {gbs:.0f} GB/s, bf16 dense matmul {tflops:.0f} TFLOP/s", flush=True)
     rows = []
-    for name in args.formats:
-        fp8 = name == "fp8"
+    for name, mode in [(name, mode) for name in args.formats for mode in args.modes]:
+        fp8, eager = name == "fp8", mode == "eager"
         shallow, deep = args.depths
         layout = KVLayout.for_model(ModelConfig.from_dict(rank_config(deep, fp8)), "fp8")
         pages = int(args.pool_gib * 2**30 // layout.page_bytes)
-        t_shallow, t_deep = run(args, fp8, shallow, pages), run(args, fp8, deep, pages)
+        t_shallow, t_deep = run(args, fp8, eager, shallow, pages), run(args, fp8, eager, deep, pages)
         cfg = ModelConfig.from_dict(rank_config(deep, fp8))
         fmt = WeightFormat("fp8" if fp8 else "dense")
         for (ctx, batch), deep_m in t_deep.items():
@@ -250,7 +259,7 @@ def main() -> None:
             bytes_ms, flops_ms = layer_floor(cfg, fmt, batch, ctx, deep_m.experts_per_layer, gbs, tflops)
             floor = max(bytes_ms, flops_ms)
             full_step = fixed + 78 * (per_layer + 2 * args.allreduce_us / 1e3)
-            rows.append(dict(weights=name, ctx=ctx, B=batch, t_shallow_ms=shallow_m.step_ms,
+            rows.append(dict(weights=name, mode=mode, ctx=ctx, B=batch, t_shallow_ms=shallow_m.step_ms,
                              t_deep_ms=deep_m.step_ms, per_layer_ms=per_layer, fixed_ms=fixed,
                              device_layer_ms=device_layer, x_floor_device=device_layer / floor,
                              experts=deep_m.experts_per_layer, floor_bytes_ms=bytes_ms, floor_flops_ms=flops_ms,
@@ -259,10 +268,10 @@ def main() -> None:
             if args.out:
                 with args.out.open("a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
-    print(f"\n{'w':4} {'ctx':>6} {'B':>4} {'t4':>7} {'t8':>7} {'layer':>7} {'fixed':>7} {'dev/l':>7} {'exp':>5} "
+    print(f"\n{'w':4} {'mode':5} {'ctx':>6} {'B':>4} {'t4':>7} {'t8':>7} {'layer':>7} {'fixed':>7} {'dev/l':>7} {'exp':>5} "
           f"{'floorB':>7} {'floorF':>7} {'x-fl':>6} {'x-dev':>6} {'step78':>8} {'fl78':>7} {'x78':>6}")
     for r in rows:
-        print(f"{r['weights']:4} {r['ctx']:>6} {r['B']:>4} {r['t_shallow_ms']:7.2f} {r['t_deep_ms']:7.2f} "
+        print(f"{r['weights']:4} {r['mode']:5} {r['ctx']:>6} {r['B']:>4} {r['t_shallow_ms']:7.2f} {r['t_deep_ms']:7.2f} "
               f"{r['per_layer_ms']:7.3f} {r['fixed_ms']:7.2f} {r['device_layer_ms']:7.3f} {r['experts']:5.0f} "
               f"{r['floor_bytes_ms']:7.3f} {r['floor_flops_ms']:7.3f} {r['x_floor']:6.1f} {r['x_floor_device']:6.1f} "
               f"{r['step78_ms']:8.1f} {r['floor78_ms']:7.2f} {r['x_floor78']:6.1f}")

@@ -47,8 +47,8 @@ class AttentionOps(Protocol):
         """Top-K positions of every row of `batch`: q [T, Hi, Di], weights [T, Hi] against the keys of one
         full layer's indexer `view` [pages, tokens, row_bytes]; row t sees positions <= batch.positions[t].
 
-        counts[t] = min(K, visible positions). K' = min(K, longest context of the batch): shorter contexts
-        select fewer positions, the caller pads. Equal scores rank by position, so that chunking and
+        counts[t] = min(K, visible positions). K' = min(K, batch.max_context): shorter contexts select
+        fewer positions, the caller pads. Equal scores rank by position, so that chunking and
         batching never change a selection. `full_index` with a request id names a stream of choices:
         implementations may keep per-stream state (a synthetic top-K trace).
         """
@@ -82,7 +82,7 @@ class TorchAttentionOps:
         scale: float, full_index: int,
     ) -> TopK:
         """One request at a time: gathers and decodes its keys, then scores its rows (see `AttentionOps`)."""
-        width = min(topk, max(batch.context_lens_host))
+        width = min(topk, batch.max_context)
         positions = torch.zeros(batch.num_rows, width, dtype=torch.long, device=q.device)
         counts = torch.zeros(batch.num_rows, dtype=torch.long, device=q.device)
         per_page = view.shape[1]

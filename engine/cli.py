@@ -49,6 +49,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks the model is split over")
     p.add_argument("--executor", choices=["mp", "ray"], default="mp",
                    help="how ranks run when --tensor-parallel-size > 1: processes or Ray actors")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run decode steps eagerly: no persistent buffers, no CUDA graphs")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -72,6 +74,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
                                 offload_pool_gib=args.offload_pool_gib),
         tensor_parallel_size=args.tensor_parallel_size,
         executor=args.executor,
+        enforce_eager=args.enforce_eager,
     )
 
 

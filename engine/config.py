@@ -46,6 +46,9 @@ class EngineConfig:
     # placement groups) or "ray" actors in the replica's placement group (the Serve path). One rank
     # always runs in the engine's own process.
     executor: ExecutorKind = "mp"
+    # Decode steps run eagerly from each step's own tensors instead of through persistent buffers and
+    # captured CUDA graphs (engine/rank/decode_graphs.py).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):

@@ -1,29 +1,26 @@
 """What one forward pass needs to know about its batch: flattened tokens and page tables.
 
 Built on each tensor-parallel rank from the driver's `StepInput` (the same
-host data on every rank), consumed by attention. Tokens of all requests are
-flattened into one sequence of T rows; `req_of_row` maps each row to its
-request in the batch.
+host data on every rank), or, for a captured decode graph, a fixed set of
+views into the rank's persistent buffers (engine/rank/decode_graphs.py).
+Consumed by attention. Tokens of all requests are flattened into one sequence
+of T rows; `req_of_row` maps each row to its request in the batch.
+
+Requests with host-only pages resolve their top-K positions through the
+residency tables of this rank: a request with several rows (a prefill chunk)
+alone, the single-row (decode) requests together in one resolve per
+IndexShare group (`DecodeLeases`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from engine.kv_layout import KVLayout
-from engine.rank.rank_residency import RankResidency
+from engine.rank.rank_residency import DecodeLeases, RankResidency
 from engine.rank.step import NonResidentSpec, StepInput
-
-
-class _DecodeResolve(NamedTuple):
-    """Decode rows with host-only pages: their rows, page tables of every group's resolve."""
-
-    rows: torch.Tensor  # [D] row of each request's single query
-    specs: list[NonResidentSpec]
-    page_tables: tuple[torch.Tensor, torch.Tensor]  # [D, P] GPU page and host page per logical page
 
 
 @dataclass
@@ -42,18 +39,21 @@ class ForwardBatch:
     row_ranges: list[tuple[int, int]]  # per request: [start, end) of its rows (host side)
     context_lens_host: list[int]  # per request: tokens cached after this step (host side)
     request_ids: list[str]  # per request: its id (names per-request state of attention ops)
+    max_context: int  # positions the indexer scores per row: the longest context, or a graph's fixed width
     page_size: int
     indexer_tokens_per_page: int
-    nonresident: dict[int, NonResidentSpec] = field(default_factory=dict)  # batch index -> host-only page tables
+    nonresident: dict[int, NonResidentSpec] = field(default_factory=dict)  # multi-row requests with host-only pages
+    decode_leases: DecodeLeases | None = None  # single-row requests with host-only pages, resolved together
     residency: RankResidency | None = None  # this rank's hot tables (set when a host tier exists)
     step: int = 0  # LRU stamp of this step (grows every step)
-    _decode: _DecodeResolve | None = field(default=None, init=False, repr=False)  # set by the step's first resolve
 
     @classmethod
     def from_step(
         cls, step: StepInput, layout: KVLayout, device: torch.device, residency: RankResidency | None
     ) -> ForwardBatch:
         """This rank's batch: the step's host data on `device`."""
+        single = {b for b, (start, end) in enumerate(step.row_ranges) if end - start == 1}
+        decode = [(step.row_ranges[b][0], spec) for b, spec in step.nonresident.items() if b in single]
         return cls(
             input_ids=step.input_ids.to(device),
             positions=step.positions.to(device),
@@ -67,9 +67,11 @@ class ForwardBatch:
             row_ranges=list(step.row_ranges),
             context_lens_host=list(step.context_lens),
             request_ids=list(step.request_ids),
+            max_context=max(step.context_lens),
             page_size=layout.page_size,
             indexer_tokens_per_page=layout.indexer_tokens_per_page,
-            nonresident=step.nonresident,
+            nonresident={b: spec for b, spec in step.nonresident.items() if b not in single},
+            decode_leases=residency.decode_leases(decode, step.step) if decode else None,
             residency=residency,
             step=step.step,
         )
@@ -89,28 +91,15 @@ class ForwardBatch:
         rows = torch.arange(self.num_rows, device=positions.device)
         slots = self.mla_slots(rows, positions)
         for b, spec in self.nonresident.items():
-            start, end = self.row_ranges[b]
-            if end - start > 1:
-                span = slice(start, end)
-                self.residency.resolve_rows(spec, group, positions[span], lens[span], self.step, slots[span])
-        decode = self._decode_resolve()
-        if decode is not None:
-            at, specs, page_tables = decode
-            slots[at] = self.residency.resolve_decode(specs, page_tables, group, positions[at], lens[at], self.step)
+            span = slice(*self.row_ranges[b])
+            self.residency.resolve_rows(spec, group, positions[span], lens[span], self.step, slots[span])
+        decode = self.decode_leases
+        if decode is None:
+            return slots
+        if decode.rows is None:  # every row of the batch (a decode graph): resident rows resolve in place
+            return self.residency.resolve_decode(decode, group, positions, lens)
+        slots[decode.rows] = self.residency.resolve_decode(decode, group, positions[decode.rows], lens[decode.rows])
         return slots
-
-    def _decode_resolve(self) -> _DecodeResolve | None:
-        """The single-row requests with host-only pages (resolved together, one call per group) and
-        their page tables; built at the first group of the step and reused by the others."""
-        if self._decode is None:
-            rows = [(self.row_ranges[b][0], spec) for b, spec in self.nonresident.items()
-                    if self.row_ranges[b][1] - self.row_ranges[b][0] == 1]
-            if not rows:
-                return None
-            specs = [spec for _, spec in rows]
-            at = torch.tensor([row for row, _ in rows]).to(self.positions.device, non_blocking=True)
-            self._decode = _DecodeResolve(at, specs, self.residency.decode_page_tables(specs))
-        return self._decode
 
     def indexer_slots(self, req: int, num_tokens: int) -> torch.Tensor:
         """Indexer slots of positions 0..num_tokens-1 of request `req`."""

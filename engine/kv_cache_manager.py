@@ -90,6 +90,7 @@ class KVCacheManager:
         for page in mla + idx:
             self.cache.acquire(page)
         req.mla_pages, req.indexer_pages = list(mla), idx
+        req.pages_replaced_from(0)
         if not self._extend_into_indexer_page(req, (len(tokens) - 1) // self.page_size):
             if self.residency is not None and self.residency.config.traits.runs_from_host:
                 self._extend_from_host(req, (len(tokens) - 1) // self.page_size)
@@ -177,7 +178,9 @@ class KVCacheManager:
     def cache_full_pages(self, req: Request) -> None:
         """Hashes the pages of `req` whose tokens are all computed and registers them for reuse.
 
-        Hashes are kept even with the prefix cache off: they name host copies.
+        Hashes are kept even with the prefix cache off: they name host copies. Pages registered by an
+        earlier step are skipped (a decode step registers at most one new page, not the whole context),
+        from the first page that was host-only at its registration on (it registers once back).
         """
         computed = req.num_computed_tokens
         full = computed // self.page_size
@@ -185,14 +188,17 @@ class KVCacheManager:
             req.page_hashes += chain_hashes(req.all_token_ids[: full * self.page_size], self.page_size, req.page_hashes)
         if not self.enable_prefix_cache:
             return
-        for i in range(full):
+        start = req.num_registered_pages
+        for i in range(start, full):
             if req.mla_pages[i] is not None:
                 self.cache.insert(req.mla_pages[i], PageUse.MLA, req.page_hashes[i])
         per_idx = self.indexer_page_tokens // self.page_size
-        for j in range(computed // self.indexer_page_tokens):
+        for j in range(start // per_idx, computed // self.indexer_page_tokens):
             self.cache.insert(req.indexer_pages[j], PageUse.INDEXER, req.page_hashes[(j + 1) * per_idx - 1])
-        for i in range(full):  # every completed MLA page names the indexer page holding its keys
+        for i in range(start, full):  # every completed MLA page names the indexer page holding its keys
             self.cache.add_alias(req.indexer_pages[i // per_idx], PageUse.INDEXER, req.page_hashes[i])
+        host_only = (i for i in range(start, full) if req.mla_pages[i] is None)
+        req.num_registered_pages = next(host_only, full)
 
     def free(self, req: Request) -> None:
         """Releases every page of `req`, tail first so the tail is evicted first.
@@ -210,6 +216,7 @@ class KVCacheManager:
             if page is not None:
                 self.cache.release(page)
         req.mla_pages, req.indexer_pages = [], []
+        req.pages_replaced_from(0)
         if self.residency is not None:
             self.residency.release(req)
 

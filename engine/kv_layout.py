@@ -15,6 +15,8 @@ Row formats: `float32` (reference mode, no FP8 anywhere), `bf16`, `fp8`
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -91,7 +93,7 @@ class KVLayout:
         """Byte offset of a group's block inside a page."""
         return self.page_size * self.mla_row_bytes * sum(self.group_sizes[:group])
 
-    @property
+    @functools.cached_property
     def indexer_tokens_per_page(self) -> int:
         per_token = self.num_full_layers * self.indexer_row_bytes
         tokens = (self.page_bytes // per_token) // self.page_size * self.page_size

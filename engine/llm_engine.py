@@ -30,9 +30,10 @@ from engine.kv_layout import KVLayout
 from engine.memory_plan import GIB, MemoryBudget, num_gpu_pages, request_footprint
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.rank.decode_graphs import GraphConfig
 from engine.rank.worker import WorkerSpec
 from engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
-from engine.sampler import sample
+from engine.sampler import SamplingBatch
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.tokenizer import Tokenizer
 from engine.tp.sharding import check_shardable
@@ -92,9 +93,9 @@ class LLMEngine:
             tp_size=config.tensor_parallel_size,
             random_seed=config.seed if config.random_weights else None,
             weight_format=weight_format,
+            graphs=GraphConfig(config.enforce_eager, config.max_num_seqs, self.max_model_len),
         )
-        self.executor = make_executor(spec, config.executor, self.device, config.max_num_seqs,
-                                      self.model_config.vocab_size)
+        self.executor = make_executor(spec, config.executor, self.device)
         try:
             self._build(config)
         except BaseException:
@@ -212,10 +213,12 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        logits = self.runner.execute(out.scheduled)
         completing = [s.request for s in out.scheduled if s.completes]
-        seeds = [self._text[r.request_id].seed for r in completing]
-        tokens = sample(logits, [r.params for r in completing], seeds, [len(r.output_token_ids) for r in completing])
+        sampling = SamplingBatch.build(
+            [r.params for r in completing], [self._text[r.request_id].seed for r in completing],
+            [len(r.output_token_ids) for r in completing], self.model_config.vocab_size,
+        )
+        tokens = self.runner.execute(out.scheduled, sampling)
         self.scheduler.after_step(out)
         self.num_steps += 1
         self._record_states()

@@ -89,7 +89,12 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self, batch: ForwardBatch, kv_pool: torch.Tensor, layout: KVLayout, ops: AttentionOps
     ) -> torch.Tensor:
         """float32 logits [S, V] of the batch's sampled rows."""
-        return self.lm_head(self.hidden_states(batch, kv_pool, layout, ops)).float()
+        return self.logits(self.hidden_states(batch, kv_pool, layout, ops))
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [S, V] of final hidden states [S, hidden]."""
+        return self.lm_head(hidden).float()
 
     @torch.inference_mode()
     def hidden_states(

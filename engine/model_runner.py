@@ -1,21 +1,23 @@
 """Model runner: the driver's side of a forward step.
 
 Turns a scheduler decision into a `StepInput` (flattened rows, write slots,
-page tables, the residency page tables of requests with host-only pages) and
-runs it on the replica's ranks through the executor, which returns rank 0's
-logits of the rows that sample. The model, the KV pool and the attention ops
+page tables, the residency page tables of requests with host-only pages, the
+sampling parameters) and runs it on the replica's ranks through the executor,
+which returns the token ids rank 0 sampled. The model, the KV pool and the attention ops
 live with the ranks (engine/rank/worker.py): in this process with one
 rank, in worker processes with several.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.executors.executor import Executor
 from engine.kv_layout import KVLayout
 from engine.rank.step import NonResidentSpec, StepInput
 from engine.request import Request
+from engine.sampler import SamplingBatch
 from engine.scheduler import ScheduledRequest
 from residency.manager import ResidencyManager
 
@@ -31,7 +33,7 @@ class ModelRunner:
         """The page pool tensor; only a single-rank replica has it in this process."""
         return self.executor.kv_pool
 
-    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInput:
+    def prepare(self, scheduled: list[ScheduledRequest], sampling: SamplingBatch) -> StepInput:
         self.num_steps += 1
         ids: list[int] = []
         positions: list[int] = []
@@ -43,7 +45,7 @@ class ModelRunner:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
             row_ranges.append((len(ids), len(ids) + s.num_new_tokens))
-            ids += req.all_token_ids[start:end]
+            ids += req.token_ids(start, end)
             positions += range(start, end)
             req_of_row += [b] * s.num_new_tokens
             ctx_lens.append(end)
@@ -69,14 +71,16 @@ class ModelRunner:
             request_ids=tuple(r.request_id for r in reqs),
             nonresident={b: _nonresident(r) for b, r in enumerate(reqs) if r.hot is not None},
             step=self.num_steps,
+            sampling=sampling,
         )
 
-    def execute(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """Runs one step on every rank; returns float32 logits [S, V] for the requests whose chunk completes."""
-        out = self.executor.execute_model(self.prepare(scheduled))
+    def execute(self, scheduled: list[ScheduledRequest], sampling: SamplingBatch) -> list[int]:
+        """Runs one step on every rank; returns the token sampled for each request whose chunk completes
+        (`sampling` has one row for each, in order)."""
+        out = self.executor.execute_model(self.prepare(scheduled, sampling))
         if self.residency is not None:
             self.residency.record_resolves(out.resolve)
-        return out.logits
+        return out.tokens
 
 
 def _nonresident(req: Request) -> NonResidentSpec:
@@ -94,7 +98,7 @@ def _pad_table(tables: list[list[int | None]]) -> torch.Tensor:
     """Page tables as one int32 tensor (half the bytes sent to every rank); host-only pages read as
     page 0 (their slots come from the resolve)."""
     width = max(1, max(len(t) for t in tables))
-    out = torch.zeros(len(tables), width, dtype=torch.int32)
+    out = np.zeros((len(tables), width), dtype=np.int32)
     for i, t in enumerate(tables):
-        out[i, : len(t)] = torch.tensor([0 if p is None else p for p in t], dtype=torch.int32)
-    return out
+        out[i, : len(t)] = [0 if p is None else p for p in t] if None in t else t
+    return torch.from_numpy(out)

@@ -85,11 +85,25 @@ class Request:
     host_indexer_pages: list[int | None] = field(default_factory=list)
     hot: HotLease | None = None  # hot rows while some pages are host-only
     page_hashes: list[bytes] = field(default_factory=list)
+    num_registered_pages: int = 0  # MLA pages below this index are in the prefix cache (kv_cache_manager.py)
     num_preemptions: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) without building the whole sequence (a decode step reads one)."""
+        n = len(self.prompt_token_ids)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def pages_replaced_from(self, index: int) -> None:
+        """GPU pages from `index` on were replaced (promoted, swapped in, reattached): they register again."""
+        self.num_registered_pages = min(self.num_registered_pages, index)
 
     @property
     def num_tokens(self) -> int:

@@ -8,7 +8,9 @@ seed, position of the token in the output, vocabulary index) computed with
 64-bit integer arithmetic, so a seeded request draws the same tokens whatever
 it is batched with, after a preemption, and on a CPU or a GPU alike. The
 whole batch costs a fixed number of tensor operations (a sort only when some
-row asks for top-k or top-p) and one read back of the token ids.
+row asks for top-k or top-p), with no host synchronisation: it runs on the
+rank that computes the logits, inside the decode step's CUDA graph, and the
+token ids are read back once per step.
 
 Numerically safe for every value `SamplingParams` accepts: temperatures below
 `MIN_TEMPERATURE` are greedy, the work is in float32, and top-k and top-p
@@ -18,6 +20,8 @@ always keep the most probable token.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -46,10 +50,11 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def row_keys(seeds: Sequence[int], positions: Sequence[int], device: torch.device) -> torch.Tensor:
-    """One int64 key per row from its request seed and the output position being drawn."""
+def draw_keys(seeds: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    """One int64 per row from its request seed and the output position being drawn (host side; the
+    sampler mixes it on the device)."""
     keys = [_signed(((seed & _MASK64) * _GOLDEN + position) & _MASK64) for seed, position in zip(seeds, positions)]
-    return _splitmix64(torch.tensor(keys, dtype=torch.int64, device=device))
+    return torch.tensor(keys, dtype=torch.int64)
 
 
 def uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -59,44 +64,81 @@ def uniforms(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def _floors(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_k: bool, use_p: bool) -> torch.Tensor:
-    """Per row, the smallest scaled logit that top-k, then top-p over the top-k survivors, keep."""
-    rows, vocab = scaled.shape
+def _floors(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row, the smallest scaled logit that top-k, then top-p over the top-k survivors, keep (a row
+    without a cut keeps every token)."""
+    vocab = scaled.shape[-1]
     ordered = scaled.sort(dim=-1, descending=True).values
-    floor = torch.full((rows,), float("-inf"), device=scaled.device)
-    if use_k:
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-        floor = ordered.gather(1, (k - 1)[:, None]).squeeze(1)
-        ordered = ordered.masked_fill(ordered < floor[:, None], float("-inf"))
-    if use_p:
-        probs = ordered.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
-        keep = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)  # the token that crosses top_p is kept
-        by_p = ordered.gather(1, (keep - 1)[:, None]).squeeze(1)
-        floor = torch.where(top_p < 1.0, torch.maximum(floor, by_p), floor)
-    return floor
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    floor = ordered.gather(1, (k - 1)[:, None]).squeeze(1)
+    ordered = ordered.masked_fill(ordered < floor[:, None], float("-inf"))
+    probs = ordered.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    keep = (before < top_p[:, None]).sum(dim=-1).clamp(min=1)  # the token that crosses top_p is kept
+    by_p = ordered.gather(1, (keep - 1)[:, None]).squeeze(1)
+    return torch.where(top_p < 1.0, torch.maximum(floor, by_p), floor)
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-           positions: Sequence[int]) -> list[int]:
-    """One token per row of `logits` [S, V]; row i follows params[i], drawing with seeds[i] at positions[i]."""
+SamplerMode = Literal["greedy", "random", "filtered"]
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """What the sampler needs of each sampled row, as tensors of fixed shape: built on the host, moved
+    to the rank that samples, copied into a captured graph's buffers there. `mode` is the only host
+    decision, the least work that serves every row: argmax only, Gumbel draws, or draws after the
+    top-k / top-p cut (a sort over the vocabulary)."""
+
+    inv_temperature: torch.Tensor  # [S] float32, 1/T; 1.0 on greedy rows
+    greedy: torch.Tensor  # [S] bool
+    top_k: torch.Tensor  # [S] int64, 0 = no cut
+    top_p: torch.Tensor  # [S] float32, 1.0 = no cut
+    keys: torch.Tensor  # [S] int64 draw keys (`draw_keys`)
+    mode: SamplerMode
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int],
+              vocab_size: int) -> SamplingBatch:
+        """Row i follows params[i], drawing with seeds[i] at output position positions[i]."""
+        sampled = [p for p in params if not p.greedy]
+        if not sampled:
+            mode: SamplerMode = "greedy"
+        elif any(0 < p.top_k < vocab_size or p.top_p < 1.0 for p in sampled):
+            mode = "filtered"
+        else:
+            mode = "random"
+        return cls(
+            inv_temperature=torch.tensor([1.0 if p.greedy else 1.0 / p.temperature for p in params],
+                                         dtype=torch.float32),
+            greedy=torch.tensor([p.greedy for p in params], dtype=torch.bool),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            keys=draw_keys(seeds, positions),
+            mode=mode,
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.keys.shape[0])
+
+    def to(self, device: torch.device) -> SamplingBatch:
+        move = {name: getattr(self, name).to(device, non_blocking=True)
+                for name in ("inv_temperature", "greedy", "top_k", "top_p", "keys")}
+        return SamplingBatch(**move, mode=self.mode)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """One token id per row of `logits` [S, V] (int64, on the logits' device), following `batch`.
+
+    A fixed sequence of tensor operations for a given mode, free of host synchronisation, so it can be
+    captured in a CUDA graph with the forward. Greedy rows of a sampling batch take the argmax."""
     tokens = logits.argmax(dim=-1)
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled:
-        device = logits.device
-        rows = torch.tensor(sampled, dtype=torch.long, device=device)
-        chosen = [params[i] for i in sampled]
-        scaled = logits.index_select(0, rows).float()
-        inv_t = torch.tensor([1.0 / p.temperature for p in chosen], dtype=torch.float32, device=device)
-        scaled = (scaled - scaled.amax(dim=-1, keepdim=True)) * inv_t[:, None]
-        use_k = any(0 < p.top_k < logits.shape[-1] for p in chosen)
-        use_p = any(p.top_p < 1.0 for p in chosen)
-        if use_k or use_p:
-            top_k = torch.tensor([p.top_k for p in chosen], dtype=torch.long, device=device)
-            top_p = torch.tensor([p.top_p for p in chosen], dtype=torch.float32, device=device)
-            floor = _floors(scaled, top_k, top_p, use_k, use_p)
-            scaled = scaled.masked_fill(scaled < floor[:, None], float("-inf"))
-        keys = row_keys([seeds[i] for i in sampled], [positions[i] for i in sampled], device)
-        gumbel = -torch.log(-torch.log(uniforms(keys, logits.shape[-1])))
-        tokens = tokens.index_copy(0, rows, (scaled + gumbel).argmax(dim=-1))
-    return tokens.tolist()
+    if batch.mode == "greedy":
+        return tokens
+    scaled = logits.float()
+    scaled = (scaled - scaled.amax(dim=-1, keepdim=True)) * batch.inv_temperature[:, None]
+    if batch.mode == "filtered":
+        floor = _floors(scaled, batch.top_k, batch.top_p)
+        scaled = scaled.masked_fill(scaled < floor[:, None], float("-inf"))
+    gumbel = -torch.log(-torch.log(uniforms(_splitmix64(batch.keys), logits.shape[-1])))
+    return torch.where(batch.greedy, tokens, (scaled + gumbel).argmax(dim=-1))

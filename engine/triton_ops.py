@@ -56,7 +56,7 @@ class TritonAttentionOps(TorchAttentionOps):
     ) -> TopK:
         """All rows of the batch from the page pool (see `AttentionOps`); the same positions as the PyTorch
         ops, padding included (positions past a request's context read 0, as there)."""
-        max_ctx = max(batch.context_lens_host)
+        max_ctx = batch.max_context
         width = min(topk, max_ctx)
         page_table = batch.indexer_page_table.to(torch.int32)
         row_to_req = batch.req_of_row.to(torch.int32)

@@ -85,7 +85,8 @@ class ResolvePlan(NamedTuple):
 
 # Columns of a lease table row: addresses of a request's hot slots [R] int32, slot positions [R]
 # int32, slot stamps [R] int32/int64 and reverse map [capacity] int16/int32, then R and capacity.
-LEASE_COLUMNS: tl.constexpr = tl.constexpr(6)
+LEASE_WIDTH = 6
+LEASE_COLUMNS: tl.constexpr = tl.constexpr(LEASE_WIDTH)
 
 
 @triton.jit
@@ -319,12 +320,6 @@ def _stacked_lease_table(hot_slots, slot_pos, slot_stamp, pos_to_hot) -> torch.T
     return torch.stack(cols, 1)
 
 
-def _lease_table(leases: Sequence[LeaseState], device: torch.device) -> torch.Tensor:
-    """Lease table rows of separate leases: their addresses, built on the host and moved once."""
-    rows = [[*(t.data_ptr() for t in lease), lease.hot_slots.numel(), lease.pos_to_hot.numel()] for lease in leases]
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-
-
 def _launch_plan(topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_table, stamp_dtype, map_dtype,
                  step, gpu_pool, out, page_size, num_warps) -> ResolvePlan:
     b, k = topk_pos.shape
@@ -406,22 +401,46 @@ def resolve_group(topk_pos, counts, gpu_slot_of_page, host_page_of_page, hot_slo
     return ResolveResult(plan.kv_slots, plan.num_copied)
 
 
-def resolve_leases(topk_pos, counts, gpu_slot_of_page, host_page_of_page, leases: Sequence[LeaseState], step,
+def resolve_leases(topk_pos, counts, gpu_slot_of_page, host_page_of_page, leases: Sequence[LeaseState | None], step,
                    group_offset, run_bytes, gpu_pool, host_pool, out=None, page_size: int = PAGE_SIZE) -> ResolveResult:
-    """`resolve_group` over each request's own tables (`leases[b]` for row b), read and updated where
-    they live: requests with hot buffers of different sizes resolve in one launch, nothing is
-    stacked or written back. The lease table is built on the host (not capturable in a graph)."""
-    _check_batch(topk_pos, counts, gpu_slot_of_page, host_page_of_page, step, group_offset, run_bytes,
-                 gpu_pool, host_pool, page_size)
+    """`resolve_group` over each request's own tables (`leases[b]` for row b, None for a row whose pages
+    are all resident), read and updated where they live: requests with hot buffers of different sizes
+    resolve in one launch, nothing is stacked or written back. The lease table is built on the host
+    here; `resolve_lease_table` takes one already on the device (a graph's persistent buffer)."""
     if len(leases) != topk_pos.shape[0]:
         raise ValueError(f"{topk_pos.shape[0]} rows need as many leases, got {len(leases)}")
-    for lease in leases:
+    held = [lease for lease in leases if lease is not None]
+    for lease in held:
         _check_tables(*lease, gpu_pool.device)
-    stamp_dtype, map_dtype = leases[0].slot_stamp.dtype, leases[0].pos_to_hot.dtype
-    if any(lease.slot_stamp.dtype != stamp_dtype or lease.pos_to_hot.dtype != map_dtype for lease in leases):
+    stamp_dtype = held[0].slot_stamp.dtype if held else torch.int64
+    map_dtype = held[0].pos_to_hot.dtype if held else torch.int32
+    if any(lease.slot_stamp.dtype != stamp_dtype or lease.pos_to_hot.dtype != map_dtype for lease in held):
         raise ValueError("every lease of one resolve needs the same stamp and reverse-map dtypes")
-    plan = _launch_plan(topk_pos, counts, gpu_slot_of_page, host_page_of_page, _lease_table(leases, gpu_pool.device),
-                        stamp_dtype, map_dtype, step, gpu_pool, out, page_size, num_warps=8)
+    table = lease_table(leases).to(gpu_pool.device, non_blocking=True)
+    return resolve_lease_table(topk_pos, counts, gpu_slot_of_page, host_page_of_page, table, stamp_dtype, map_dtype,
+                               step, group_offset, run_bytes, gpu_pool, host_pool, out=out, page_size=page_size)
+
+
+def lease_table(leases: Sequence[LeaseState | None]) -> torch.Tensor:
+    """[B, LEASE_WIDTH] int64 host rows of separate leases: their addresses and sizes (zeros for a row
+    without a lease, whose positions must all be resident)."""
+    rows = [[0] * LEASE_WIDTH if lease is None else
+            [*(t.data_ptr() for t in lease), lease.hot_slots.numel(), lease.pos_to_hot.numel()] for lease in leases]
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(leases), LEASE_WIDTH)
+
+
+def resolve_lease_table(topk_pos, counts, gpu_slot_of_page, host_page_of_page, table: torch.Tensor,
+                        stamp_dtype: torch.dtype, map_dtype: torch.dtype, step, group_offset, run_bytes, gpu_pool,
+                        host_pool, out=None, page_size: int = PAGE_SIZE) -> ResolveResult:
+    """`resolve_leases` with the lease table [B, LEASE_WIDTH] already on the device: nothing here reads
+    host data, so a CUDA graph can capture it (with `step` a device tensor) and replay it after the
+    table's rows were rewritten in place."""
+    _check_batch(topk_pos, counts, gpu_slot_of_page, host_page_of_page, step, group_offset, run_bytes,
+                 gpu_pool, host_pool, page_size)
+    if table.shape != (topk_pos.shape[0], LEASE_WIDTH) or table.dtype != torch.int64 or not table.is_contiguous():
+        raise ValueError(f"the lease table must be a contiguous [{topk_pos.shape[0]}, {LEASE_WIDTH}] int64 tensor")
+    plan = _launch_plan(topk_pos, counts, gpu_slot_of_page, host_page_of_page, table, stamp_dtype, map_dtype, step,
+                        gpu_pool, out, page_size, num_warps=8)
     copy_misses(plan, group_offset, run_bytes, gpu_pool, host_pool, page_size=page_size)
     return ResolveResult(plan.kv_slots, plan.num_copied)
 
@@ -487,17 +506,24 @@ def resolve_group_reference(topk_pos, counts, gpu_slot_of_page, host_page_of_pag
 
 
 
-def resolve_leases_reference(topk_pos, counts, gpu_slot_of_page, host_page_of_page, leases: Sequence[LeaseState],
-                             step, group_offset, run_bytes, gpu_pool, host_pool, out=None,
-                             page_size: int = PAGE_SIZE) -> ResolveResult:
+def resolve_leases_reference(topk_pos, counts, gpu_slot_of_page, host_page_of_page,
+                             leases: Sequence[LeaseState | None], step, group_offset, run_bytes, gpu_pool, host_pool,
+                             out=None, page_size: int = PAGE_SIZE) -> ResolveResult:
     """Plain PyTorch twin of `resolve_leases`: the stacked twin on each request's own tables in turn
-    (requests touch disjoint slots, so one at a time equals one launch for all)."""
+    (requests touch disjoint slots, so one at a time equals one launch for all); a row without a lease
+    reads its resident slots."""
     if len(leases) != topk_pos.shape[0]:
         raise ValueError(f"{topk_pos.shape[0]} rows need as many leases, got {len(leases)}")
     kv_slots = torch.empty(topk_pos.shape, dtype=torch.int32, device=gpu_pool.device) if out is None else out
     num_copied = torch.zeros(len(leases), dtype=torch.int32, device=gpu_pool.device)
     for b, lease in enumerate(leases):
         one = slice(b, b + 1)
+        if lease is None:
+            valid = torch.arange(topk_pos.shape[1], device=gpu_pool.device) < counts[b].clamp(max=topk_pos.shape[1])
+            pos = torch.where(valid, topk_pos[b], 0).long()
+            gpage = gpu_slot_of_page[b].long()[pos // page_size]
+            kv_slots[b] = torch.where(valid, gpage * page_size + pos % page_size, -1).to(torch.int32)
+            continue
         result = resolve_group_reference(
             topk_pos[one], counts[one], gpu_slot_of_page[one], host_page_of_page[one],
             *(t[None] for t in lease), step, group_offset, run_bytes, gpu_pool, host_pool, page_size=page_size)

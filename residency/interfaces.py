@@ -28,6 +28,10 @@ class PagedRequest(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    def pages_replaced_from(self, index: int) -> None:
+        """GPU pages from `index` on were replaced: the prefix cache registers them again."""
+        ...
+
 
 class CopyTicket(Protocol):
     """Completion of an asynchronous page copy."""

@@ -69,11 +69,10 @@ class ResidencyManager:
 
     @staticmethod
     def state(req: PagedRequest) -> str:
-        completed = req.num_computed_tokens // PAGE_SIZE
-        on_gpu = [p is not None for p in req.mla_pages[:completed]]
-        if all(on_gpu):
+        completed = req.mla_pages[: req.num_computed_tokens // PAGE_SIZE]
+        if None not in completed:
             return "full"
-        return "none" if not any(on_gpu) else "mixed"
+        return "none" if completed.count(None) == len(completed) else "mixed"
 
     @staticmethod
     def align(req: PagedRequest) -> None:
@@ -280,6 +279,7 @@ class ResidencyManager:
             self.load_pages([req.host_pages[i] for i in missing], fresh)
             for i, page in zip(missing, fresh):
                 req.mla_pages[i] = page
+            req.pages_replaced_from(missing[0])
             self.stats.pages_promoted += len(missing)
         self.return_hot(req)
         return True
@@ -365,6 +365,7 @@ class ResidencyManager:
         for page in req.host_indexer_pages:  # the GPU copies grow from here; host copies go stale
             self.host.cache.release(page)
         req.indexer_pages, req.host_indexer_pages = idx, [None] * len(idx)
+        req.pages_replaced_from(0)
         completed = req.num_computed_tokens // PAGE_SIZE
         for i, page in zip(mla_idx, mla):
             req.mla_pages[i] = page

@@ -73,21 +73,25 @@ def hf_logits_of(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
 
 
 class LogitsRecorder:
-    """Keeps every logits row the engine samples from, per request, in order."""
+    """Keeps every logits row the engine samples from, per request, in order (a single-rank engine whose
+    steps are not replayed from captured graphs: any engine on a CPU)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.rows: dict[str, list[torch.Tensor]] = {}
-        runner = engine.runner
-        execute = runner.execute
+        runner, worker = engine.runner, engine.executor.worker
+        execute, sample_logits = runner.execute, worker.sample_logits
+        step_ids: list[str] = []
 
-        def recording(scheduled):  # noqa: ANN001, ANN202
-            logits = execute(scheduled)
-            done = [s.request.request_id for s in scheduled if s.completes]
-            for rid, row in zip(done, logits):
+        def recording_execute(scheduled, sampling):  # noqa: ANN001, ANN202
+            step_ids[:] = [s.request.request_id for s in scheduled if s.completes]
+            return execute(scheduled, sampling)
+
+        def recording_sample(logits, sampling):  # noqa: ANN001, ANN202
+            for rid, row in zip(step_ids, logits):
                 self.rows.setdefault(rid, []).append(row.clone())
-            return logits
+            return sample_logits(logits, sampling)
 
-        runner.execute = recording
+        runner.execute, worker.sample_logits = recording_execute, recording_sample
 
     def of(self, request_id: str) -> torch.Tensor:
         return torch.stack(self.rows[request_id])

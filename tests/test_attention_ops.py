@@ -69,7 +69,7 @@ def _indexer_batch(layout: KVLayout, gen: torch.Generator) -> tuple[torch.Tensor
         indexer_write_slots=unused, mla_page_table=torch.zeros(len(contexts), 1, dtype=torch.long),
         indexer_page_table=table, context_lens=torch.tensor(contexts), logits_rows=unused, row_ranges=ranges,
         context_lens_host=contexts, request_ids=[f"r{i}" for i in range(len(contexts))],
-        page_size=layout.page_size, indexer_tokens_per_page=tokens,
+        max_context=max(contexts), page_size=layout.page_size, indexer_tokens_per_page=tokens,
     )
     return view, batch
 

@@ -10,7 +10,7 @@ import torch
 
 from engine.llm_engine import LLMEngine
 from engine.request import InvalidRequestError, SamplingParams
-from engine.sampler import sample
+from engine.sampler import SamplingBatch, sample
 from tests.helpers import LogitsRecorder, assert_pages_released, greedy, make_engine
 
 
@@ -223,12 +223,16 @@ def _spread_logits(dtype: torch.dtype) -> torch.Tensor:
     return logits.to(dtype)
 
 
+def _draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> list[int]:
+    return sample(logits, SamplingBatch.build(params, seeds, positions, logits.shape[-1])).tolist()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_extreme_sampling_values_pick_the_argmax(dtype: torch.dtype) -> None:
     logits = _spread_logits(dtype)
     cases = {**_NEAR_GREEDY, "temperature 1e-5": SamplingParams(temperature=1e-5)}  # samples, from a one-hot row
     for name, params in cases.items():
-        picks = {token for seed in range(20) for token in sample(logits[None], [params], [seed], [0])}
+        picks = {token for seed in range(20) for token in _draw(logits[None], [params], [seed], [0])}
         assert picks == {17}, name
 
 
@@ -240,7 +244,7 @@ def test_sampling_draws_from_the_filtered_distribution() -> None:
              (SamplingParams(temperature=1.0, top_p=0.8), [0, 1, 2])]  # 0.56 + 0.21 < 0.8: token 2 crosses, kept
     n = 6000
     for params, support in cases:
-        draws = sample(logits.expand(n, -1), [params] * n, list(range(n)), [3] * n)
+        draws = _draw(logits.expand(n, -1), [params] * n, list(range(n)), [3] * n)
         freq = torch.bincount(torch.tensor(draws), minlength=5).float() / n
         masked = torch.full_like(logits, float("-inf"))
         masked[support] = logits[support] / params.temperature
@@ -250,10 +254,10 @@ def test_sampling_draws_from_the_filtered_distribution() -> None:
 def test_seeded_draws_do_not_depend_on_the_batch() -> None:
     logits = torch.randn(3, 400, generator=torch.Generator().manual_seed(1)) * 3
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9), greedy(1)]
-    together = sample(logits, params, [11, 12, 13], [5, 6, 7])
-    alone = [sample(logits[i : i + 1], [params[i]], [11 + i], [5 + i])[0] for i in range(3)]
+    together = _draw(logits, params, [11, 12, 13], [5, 6, 7])
+    alone = [_draw(logits[i : i + 1], [params[i]], [11 + i], [5 + i])[0] for i in range(3)]
     assert together == alone
-    assert sample(logits[:1], params[:1], [11], [6]) != [] and together[2] == int(logits[2].argmax())
+    assert _draw(logits[:1], params[:1], [11], [6]) != [] and together[2] == int(logits[2].argmax())
 
 
 def test_extreme_sampling_values_generate_like_greedy(tiny_dir: Path) -> None:

@@ -121,7 +121,7 @@ def test_a_failing_admission_fails_alone(engine: AsyncEngine) -> None:
 def test_a_failing_forward_ends_the_loop(engine: AsyncEngine) -> None:
     """A forward failure belongs to no single request: the loop stops and every stream hears of it."""
 
-    def broken(scheduled: list) -> None:
+    def broken(scheduled: list, sampling: object) -> None:
         raise RuntimeError("device lost")
 
     engine.engine.runner.execute = broken

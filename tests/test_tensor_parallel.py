@@ -28,7 +28,7 @@ from engine.tp.tensor_parallel import TensorParallel
 from engine.weights import FP8_BLOCK, _read_slice, dequantize_fp8_block, load_weights, random_init
 from residency.config import HiSparseConfig
 from residency.page_pool import PageUse
-from tests.helpers import LogitsRecorder, assert_pages_released, greedy, make_engine
+from tests.helpers import assert_pages_released, greedy, make_engine
 
 # Three requests that fit at admission but not once they grow (as in test_residency.py).
 PROMPT_LENS = (250, 240, 230)
@@ -42,12 +42,12 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def single_rank(tiny_dir: Path) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Tokens and logits of one rank with an ample pool: the reference for every split."""
+def single_rank(tiny_dir: Path) -> list[list[int]]:
+    """Tokens of one rank with an ample pool: the reference for every split (the ranks sample where the
+    logits are, in their own processes, so the split's tokens are what is compared)."""
     engine = make_engine(tiny_dir, enable_prefix_cache=False)
-    recorder = LogitsRecorder(engine)
     outs = engine.generate(_prompts(), [greedy(NEW_TOKENS)] * len(PROMPT_LENS))
-    return [o.token_ids for o in outs], [recorder.of(o.request_id) for o in outs]
+    return [o.token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +63,10 @@ def ray_cluster():  # noqa: ANN201 - yields nothing
         ray.shutdown()
 
 
-def _run_under_pressure(tiny_dir: Path, policy: str, **config) -> tuple[LLMEngine, list, list]:  # noqa: ANN003
+def _run_under_pressure(tiny_dir: Path, policy: str, **config) -> tuple[LLMEngine, list]:  # noqa: ANN003
     """Generates the reference prompts step by step, checking accounting and the ranks' lease tables."""
     hs = HiSparseConfig(policy=policy, host_pool_gib=0.05)
     engine = make_engine(tiny_dir, num_gpu_pages=TIGHT_PAGES, enable_prefix_cache=False, hisparse=hs, **config)
-    recorder = LogitsRecorder(engine)
     ids = [f"r{i}" for i in range(len(PROMPT_LENS))]
     for rid, prompt in zip(ids, _prompts()):
         engine.add_request(rid, prompt, greedy(NEW_TOKENS))
@@ -75,7 +74,7 @@ def _run_under_pressure(tiny_dir: Path, policy: str, **config) -> tuple[LLMEngin
     while engine.has_unfinished():
         final.update({o.request_id: o for o in engine.step() if o.finished})
         engine.check_integrity()  # includes: every rank holds the driver's leases, with identical LRU tables
-    return engine, [final[r].token_ids for r in ids], [recorder.of(r) for r in ids]
+    return engine, [final[r].token_ids for r in ids]
 
 
 @pytest.mark.parametrize(
@@ -87,12 +86,9 @@ def test_split_model_matches_single_rank_under_pressure(
 ) -> None:
     if executor == "ray":
         request.getfixturevalue("ray_cluster")
-    tokens, logits = single_rank
-    engine, got, got_logits = _run_under_pressure(tiny_dir, policy, tensor_parallel_size=size, executor=executor)
+    engine, got = _run_under_pressure(tiny_dir, policy, tensor_parallel_size=size, executor=executor)
     try:
-        assert got == tokens
-        for ours, ref in zip(got_logits, logits):
-            torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
+        assert got == single_rank
         stats = engine.stats()
         if policy == "hybrid":  # pages left the GPU and rows came back through every rank's hot buffer
             assert stats["pages_demoted"] > 0 and stats["pages_mirrored"] > 0 and stats["hot_misses"] > 0
@@ -173,7 +169,7 @@ def test_killed_rank_makes_the_replica_unhealthy(tiny_dir: Path, request: pytest
 
 
 def test_cli_splits_the_model(tiny_dir: Path, single_rank) -> None:
-    tokens, _ = single_rank
+    tokens = single_rank
     ids = ",".join(map(str, _prompts()[0]))
     proc = subprocess.run(
         [sys.executable, "-m", "engine", "generate", "--model", str(tiny_dir), "--prompt-token-ids", ids,

@@ -10,7 +10,7 @@ process boundaries.
 
 Contract, whatever the implementation:
 - calls reach every rank in the order the driver made them;
-- `execute_model` returns rank 0's logits; every rank ran the step;
+- `execute_model` returns the token ids rank 0 sampled; every rank ran the step;
 - `mirror_pages` and `mirror_rows` are done by one rank into the shared host
   pool, asynchronously; their ticket says when the host copies are complete;
 - once a rank fails, every later call raises `WorkerError`.
@@ -52,7 +52,6 @@ class Executor(ABC):
     (`PoolExecutor` in residency/manager.py), the model runner `execute_model`."""
 
     tp_size: int
-    logits_device: torch.device  # where `execute_model`'s logits live (the sampler's generators too)
 
     @abstractmethod
     def memory_info(self) -> list[tuple[int, int]]:
@@ -130,7 +129,6 @@ class LocalExecutor(Executor):
     def __init__(self, spec: WorkerSpec, device: torch.device) -> None:
         self.tp_size = 1
         self.worker = Worker(spec, 0, device)
-        self.logits_device = device
 
     @property
     def kv_pool(self) -> torch.Tensor:
@@ -195,8 +193,7 @@ _REMOTE_EXECUTORS = {
 }
 
 
-def make_executor(spec: WorkerSpec, executor: str, device: torch.device, max_num_logits: int,
-                  vocab_size: int) -> Executor:
+def make_executor(spec: WorkerSpec, executor: str, device: torch.device) -> Executor:
     """The executor for `spec`: in-process for one rank, else the named multi-process one."""
     if spec.tp_size == 1:
         return LocalExecutor(spec, device)
@@ -204,4 +201,4 @@ def make_executor(spec: WorkerSpec, executor: str, device: torch.device, max_num
         raise ValueError(f"executor must be one of {sorted(_REMOTE_EXECUTORS)}, got {executor!r}")
     module, name = _REMOTE_EXECUTORS[executor].split(":")
     cls = getattr(importlib.import_module(module), name)
-    return cls(spec, max_num_logits, vocab_size)
+    return cls(spec)

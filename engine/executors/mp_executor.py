@@ -23,7 +23,6 @@ import torch.multiprocessing as mp
 
 from engine.executors.executor import WorkerError
 from engine.executors.remote import Call, RemoteExecutor, RemoteWorker, rank_device
-from engine.executors.shared_memory import SharedTensorHandle
 from engine.rank.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -37,12 +36,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(spec: WorkerSpec, rank: int, dist_url: str, logits: SharedTensorHandle, conn: Connection) -> None:
+def _rank_main(spec: WorkerSpec, rank: int, dist_url: str, conn: Connection) -> None:
     """A rank's process: build, report ready, then run calls until told to stop or the driver is gone."""
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     worker: RemoteWorker | None = None
     try:
-        worker = RemoteWorker(spec, rank, rank_device(spec.device_type, rank), dist_url, logits)
+        worker = RemoteWorker(spec, rank, rank_device(spec.device_type, rank), dist_url)
         conn.send_bytes(pickle.dumps(("ok", None)))
         while True:
             method, args, reply = pickle.loads(conn.recv_bytes())
@@ -78,14 +77,14 @@ def _stop_processes(procs: list[mp.Process], conns: list[Connection]) -> None:
 
 
 class MPExecutor(RemoteExecutor):
-    def _start(self, spec: WorkerSpec, logits: SharedTensorHandle) -> None:
+    def _start(self, spec: WorkerSpec) -> None:
         ctx = mp.get_context("spawn")
         url = f"tcp://127.0.0.1:{_free_port()}"
         self._procs: list[mp.Process] = []
         self._conns: list[Connection] = []
         for rank in range(spec.tp_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(spec, rank, url, logits, child), daemon=True,
+            proc = ctx.Process(target=_rank_main, args=(spec, rank, url, child), daemon=True,
                                name=f"tp-rank-{rank}")
             proc.start()
             child.close()

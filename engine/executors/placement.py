@@ -2,9 +2,9 @@
 
 Bundle 0 holds the replica actor itself (Serve places it there): with one rank
 it runs the model on its own GPU; with several it is the driver (scheduler,
-page accounting, sampling) and needs no GPU, and bundles 1..N hold one rank
+page accounting) and needs no GPU, and bundles 1..N hold one rank
 each. `STRICT_PACK` keeps a replica on one node: its ranks share the host pool
-and the logits buffer through shared memory, and talk over NVLink.
+through shared memory and talk over NVLink.
 """
 
 from __future__ import annotations

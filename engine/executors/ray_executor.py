@@ -25,7 +25,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.executors.executor import WorkerError
 from engine.executors.placement import PLACEMENT_STRATEGY, placement_group_bundles
 from engine.executors.remote import Call, RemoteExecutor, RemoteWorker, rank_device
-from engine.executors.shared_memory import SharedTensorHandle
 from engine.rank.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -47,8 +46,8 @@ class _RankActor:
             port = s.getsockname()[1]
         return f"tcp://{ray.util.get_node_ip_address()}:{port}"
 
-    def setup(self, spec: WorkerSpec, rank: int, dist_url: str, logits: SharedTensorHandle) -> int:
-        self.worker = RemoteWorker(spec, rank, rank_device(spec.device_type, 0), dist_url, logits)
+    def setup(self, spec: WorkerSpec, rank: int, dist_url: str) -> int:
+        self.worker = RemoteWorker(spec, rank, rank_device(spec.device_type, 0), dist_url)
         return os.getpid()
 
     def call(self, method: str, *args: Any) -> Any:  # noqa: ANN401 - per-call results
@@ -65,7 +64,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 class RayExecutor(RemoteExecutor):
-    def _start(self, spec: WorkerSpec, logits: SharedTensorHandle) -> None:
+    def _start(self, spec: WorkerSpec) -> None:
         self._pending: list[ray.ObjectRef] = []
         self._actors: list[ray.actor.ActorHandle] = []
         self._own_group: PlacementGroup | None = None
@@ -80,7 +79,7 @@ class RayExecutor(RemoteExecutor):
         ]
         try:
             [url] = self._await([self._actors[0].rendezvous_url.remote()])
-            self.pids = self._await([a.setup.remote(spec, r, url, logits) for r, a in enumerate(self._actors)])
+            self.pids = self._await([a.setup.remote(spec, r, url) for r, a in enumerate(self._actors)])
         except WorkerError:
             self._stop()
             raise

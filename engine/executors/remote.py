@@ -6,9 +6,8 @@ where the driver waits for them. Everything else is here and shared:
 
 - One-way calls (page loads, mirrors, lease changes) are not waited for; a
   rank that fails on one reports it, and the driver raises at its next wait.
-- `execute_model` waits for every rank. Rank 0 writes the logits into a shared
-  host buffer (`max_num_seqs x vocab` float32) instead of sending them through
-  the transport.
+- `execute_model` waits for every rank; rank 0 answers with the sampled token
+  ids (a few bytes per request), the other ranks with nothing.
 - Mirrors are done by rank 0 on its side stream, overlapping the next step;
   rank 0 finishes them before it answers that step (or a `sync`), so a mirror
   ticket is done once a later step returned.
@@ -61,8 +60,7 @@ class RemoteWorker:
         "resize_lease", "close_lease", "lease_digests",
     })
 
-    def __init__(self, spec: WorkerSpec, rank: int, device: torch.device, dist_url: str,
-                 logits: SharedTensorHandle) -> None:
+    def __init__(self, spec: WorkerSpec, rank: int, device: torch.device, dist_url: str) -> None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         else:  # ranks share the machine's cores; more threads each would only contend
@@ -71,7 +69,6 @@ class RemoteWorker:
         dist.init_process_group(backend, init_method=dist_url, rank=rank, world_size=spec.tp_size,
                                 timeout=_COLLECTIVE_TIMEOUT)
         self.worker = Worker(spec, rank, device)
-        self.logits = logits.attach(pin=device.type == "cuda") if rank == 0 else None
         self._mirrors: list[torch.cuda.Event] = []
 
     def handle(self, method: str, args: tuple[Any, ...]) -> Any:  # noqa: ANN401 - per-call results
@@ -82,6 +79,7 @@ class RemoteWorker:
         raise ValueError(f"unknown worker call {method!r}")
 
     def close(self) -> None:
+        self.worker.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -92,11 +90,10 @@ class RemoteWorker:
 
     def execute_model(self, step: StepInput) -> StepOutput | None:
         out = self.worker.execute_model(step)
-        if out.logits is None:
+        if out.tokens is None:
             return None
-        self.logits[: step.num_logits].copy_(out.logits)
         self.sync()
-        return StepOutput(None, out.resolve)
+        return out
 
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> None:
         event = self.worker.mirror_pages(gpu_ids, host_ids)
@@ -140,24 +137,18 @@ class RemoteExecutor(Executor):
 
     pids: list[int]  # the ranks' processes, rank order (logs, operators)
 
-    def __init__(self, spec: WorkerSpec, max_num_logits: int, vocab_size: int) -> None:
+    def __init__(self, spec: WorkerSpec) -> None:
         self.tp_size = spec.tp_size
-        self.logits_device = torch.device("cpu")
         self.num_waits = 0  # completed waits after which rank 0 had finished its mirrors
         self._loads_since_wait = False
         self._error: WorkerError | None = None
         self._ranks = tuple(range(spec.tp_size))
-        logits = SharedTensor((max_num_logits, vocab_size), torch.float32)
-        try:
-            self._start(spec, logits.handle)
-        finally:
-            logits.unlink()
-        self._logits = logits.tensor
+        self._start(spec)
 
     # --- transport (subclasses) -------------------------------------------------------
 
     @abstractmethod
-    def _start(self, spec: WorkerSpec, logits: SharedTensorHandle) -> None:
+    def _start(self, spec: WorkerSpec) -> None:
         """Starts one process per rank, each building `RemoteWorker`; returns when all are ready."""
 
     @abstractmethod
@@ -210,7 +201,7 @@ class RemoteExecutor(Executor):
     def execute_model(self, step: StepInput) -> StepOutput:
         replies = self._run(self._ranks, ("execute_model", (step,)), wait=True)
         self.num_waits += 1  # rank 0 finished its mirrors before answering
-        return StepOutput(self._logits[: step.num_logits].clone(), replies[0].resolve)
+        return replies[0]
 
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket:
         if self._loads_since_wait:

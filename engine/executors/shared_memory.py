@@ -1,4 +1,4 @@
-"""Host tensors that every process of one replica maps: the host pool and the logits buffer.
+"""Host tensors that every process of one replica maps: the host pool.
 
 The driver creates a file-backed shared mapping (in /dev/shm when there is
 one) and hands its `SharedTensorHandle` to the ranks, which map the same file;

@@ -17,17 +17,34 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from engine.kv_layout import KVLayout
 from engine.rank.step import NonResidentSpec
 from kernels import page_mirror, resolve
+from kernels.resolve import LeaseState
 from residency.hot_buffer import PAGE_SIZE, HotTables
 from residency.stats import ResolveCounts
 
 # Host-only positions of one request's rows resolved per call: the plan launch's fixed width.
 _UNION_PIECE = 4096
+# The dtypes of `HotTables`' stamps and reverse maps, which every lease table row points at.
+_STAMP_DTYPE, _MAP_DTYPE = torch.int64, torch.int32
+
+
+@dataclass
+class DecodeLeases:
+    """Single-row requests resolved together, one resolve per IndexShare group: where their pages live,
+    their LRU tables (as views for the PyTorch twin and as addresses for the kernel) and the step."""
+
+    rows: torch.Tensor | None  # [D] their rows of the batch; None: every row (resident ones resolve in place)
+    gpu_pages: torch.Tensor  # [D, P] int32 GPU page of each logical page, -1 where host-only
+    host_pages: torch.Tensor  # [D, P] int32 host page of each logical page, -1 where none
+    leases: list[list[LeaseState | None]]  # per group, per row: the request's tables (None: all pages resident)
+    lease_table: torch.Tensor  # [G, D, LEASE_WIDTH] int64 the same tables by address, on the device
+    step: torch.Tensor  # [1] int64 LRU stamp of the step, on the device
 
 
 class RankResidency:
@@ -37,7 +54,9 @@ class RankResidency:
         self.group_offsets = tuple(layout.group_offset(g) for g in range(self.num_groups))
         self.group_run_bytes = layout.group_run_bytes
         self.tables: dict[str, HotTables] = {}
-        self._tally: torch.Tensor | None = None  # [lookups of host-only rows, misses, miss bytes] since last read
+        # [lookups of host-only rows, misses, miss bytes] since the last read; added to in place (by captured
+        # graphs too), read once per step
+        self._tally = torch.zeros(3, dtype=torch.long, device=pool.device)
         self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
         self._resolve = resolve.resolve_leases if pool.is_cuda else resolve.resolve_leases_reference
 
@@ -158,30 +177,48 @@ class RankResidency:
         slots.copy_(torch.where(valid, union_slots[at].clamp(min=0), slots))
         self._count(group, valid.sum(), copied)
 
-    def decode_page_tables(self, specs: Sequence[NonResidentSpec]) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, P] GPU and host page of each logical page of B requests (-1 past a request's pages),
-        built on the host and moved once: every group of the step resolves against them."""
+    def lease_rows(self, specs: Sequence[NonResidentSpec | None]) -> tuple[list[list[LeaseState | None]], torch.Tensor]:
+        """Each row's LRU tables per group (None for a row without host-only pages) and the same as a host
+        lease table [G, D, LEASE_WIDTH]. Grows every reverse map to its request's length first: the
+        resolve reads the tables where they live, so they must not move during the forward."""
+        for spec in specs:
+            if spec is not None:
+                self.tables[spec.request_id].ensure_capacity(spec.num_tokens)
+        leases = [[None if spec is None else self.tables[spec.request_id].lease(g) for spec in specs]
+                  for g in range(self.num_groups)]
+        return leases, torch.stack([resolve.lease_table(per_group) for per_group in leases])
+
+    def decode_leases(self, decode: Sequence[tuple[int, NonResidentSpec]], step: int) -> DecodeLeases:
+        """The eager step's `DecodeLeases` for (row, spec) pairs: built on the host and moved once; every
+        group of the step resolves against them."""
+        specs = [spec for _, spec in decode]
         num_pages = max(s.gpu_pages.numel() for s in specs)
         gpu = torch.full((len(specs), num_pages), -1, dtype=torch.int32)
         host = torch.full((len(specs), num_pages), -1, dtype=torch.int32)
         for i, s in enumerate(specs):
             gpu[i, : s.gpu_pages.numel()], host[i, : s.host_pages.numel()] = s.gpu_pages, s.host_pages
-        return gpu.to(self.pool.device, non_blocking=True), host.to(self.pool.device, non_blocking=True)
-
-    def resolve_decode(self, specs: Sequence[NonResidentSpec], page_tables: tuple[torch.Tensor, torch.Tensor],
-                       group: int, positions: torch.Tensor, lens: torch.Tensor, step: int) -> torch.Tensor:
-        """KV slots [B, K] for one decode row of each of B requests, in one resolve for the group that
-        reads and updates every request's own tables where they live."""
-        leases = []
-        for s in specs:
-            tables = self.tables[s.request_id]
-            tables.ensure_capacity(s.num_tokens)
-            leases.append(tables.lease(group))
-        gpu, host = page_tables
-        result = self._resolve(
-            positions.to(torch.int32), lens.to(torch.int32), gpu, host, leases, step,
-            self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host,
+        leases, table = self.lease_rows(specs)
+        dev = self.pool.device
+        return DecodeLeases(
+            rows=torch.tensor([row for row, _ in decode]).to(dev, non_blocking=True),
+            gpu_pages=gpu.to(dev, non_blocking=True),
+            host_pages=host.to(dev, non_blocking=True),
+            leases=leases,
+            lease_table=table.to(dev, non_blocking=True),
+            step=torch.tensor([step], dtype=torch.int64).to(dev, non_blocking=True),
         )
+
+    def resolve_decode(self, decode: DecodeLeases, group: int, positions: torch.Tensor,
+                       lens: torch.Tensor) -> torch.Tensor:
+        """KV slots [D, K] for the decode rows of `decode`, in one resolve for the group that reads and
+        updates every request's own tables where they live. Reads nothing from the host."""
+        gpu, host = decode.gpu_pages, decode.host_pages
+        args = (positions.to(torch.int32), lens.to(torch.int32), gpu, host)
+        tail = (decode.step, self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host)
+        if self.pool.is_cuda:
+            result = resolve.resolve_lease_table(*args, decode.lease_table[group], _STAMP_DTYPE, _MAP_DTYPE, *tail)
+        else:
+            result = resolve.resolve_leases_reference(*args, decode.leases[group], *tail)
         valid = torch.arange(positions.shape[1], device=gpu.device)[None, :] < lens[:, None]
         page = torch.where(valid, positions, 0).long() // PAGE_SIZE
         self._count(group, (valid & (gpu.gather(1, page) < 0)).sum(), result.num_copied.sum())
@@ -189,13 +226,10 @@ class RankResidency:
 
     def _count(self, group: int, lookups: torch.Tensor, misses: torch.Tensor) -> None:
         """Adds a resolve's counts on the device: they are read once per step, not once per resolve."""
-        tally = torch.stack([lookups.long(), misses.long(), misses.long() * self.group_run_bytes[group]])
-        self._tally = tally if self._tally is None else self._tally + tally
+        self._tally += torch.stack([lookups.long(), misses.long(), misses.long() * self.group_run_bytes[group]])
 
     def take_counts(self) -> ResolveCounts:
         """The resolve counts since the last call (one device read)."""
-        if self._tally is None:
-            return ResolveCounts()
         lookups, misses, miss_bytes = self._tally.tolist()
-        self._tally = None
+        self._tally.zero_()
         return ResolveCounts(lookups - misses, misses, miss_bytes)

@@ -4,8 +4,9 @@ A `StepInput` is plain host data (CPU tensors, ids): the driver builds it once
 from the scheduler's decision and every rank turns it into a `ForwardBatch` on
 its own device. It carries the residency page tables of requests with
 host-only pages, so each rank can run the same resolve against its own copy of
-the request's hot-buffer tables. Rank 0 answers with the logits of the sampled
-rows and the resolve counts (the other ranks computed the same counts).
+the request's hot-buffer tables, and the sampling parameters of the rows that
+sample. Rank 0 samples on its device and answers with the token ids and the
+resolve counts (the other ranks computed the same counts).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampler import SamplingBatch
 from residency.stats import ResolveCounts
 
 
@@ -44,6 +46,16 @@ class StepInput:
     request_ids: tuple[str, ...]
     nonresident: dict[int, NonResidentSpec]  # batch index -> page tables of a request with host-only pages
     step: int  # LRU stamp of this step (grows every step)
+    sampling: SamplingBatch  # one row per entry of logits_rows
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.row_ranges)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request brings one row and samples it: the shape a captured decode graph serves."""
+        return self.num_logits == self.num_requests == int(self.input_ids.shape[0])
 
     @property
     def num_logits(self) -> int:
@@ -52,7 +64,8 @@ class StepInput:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Rank 0's answer: logits [S, V] float32 (None where they travel another way) and resolve counts."""
+    """Rank 0's answer: the sampled token id of each logits row (None on the other ranks) and the
+    resolve counts."""
 
-    logits: torch.Tensor | None
+    tokens: list[int] | None
     resolve: ResolveCounts

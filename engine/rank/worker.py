@@ -4,7 +4,10 @@ The same class serves every executor: in the engine's own process when the
 replica has one rank, in a worker process or a Ray actor otherwise. A rank
 does what the driver tells it, in the order it was told: build the pool, map
 the host pool, run forward steps, copy pages, open and close hot leases. Only
-rank 0 computes logits; the other ranks stop at the final hidden states.
+rank 0 computes logits and samples; the other ranks stop at the final hidden
+states. Decode steps run through the rank's persistent buffers and, on a GPU,
+as captured CUDA graphs (engine/rank/decode_graphs.py); other steps, and every
+step under `enforce_eager`, run eagerly from the step's own tensors.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ from engine.kv_layout import KVFormat, KVLayout
 from engine.linear import WeightFormat
 from engine.model import build_model
 from engine.model_config import ModelConfig
+from engine.rank.decode_graphs import DecodeGraphs, GraphConfig
 from engine.rank.rank_residency import RankResidency
 from engine.rank.step import StepInput, StepOutput
+from engine.sampler import SamplingBatch, sample
 from engine.tp.tensor_parallel import TensorParallel
 from engine.triton_ops import TritonAttentionOps
 from engine.weights import load_weights, random_init
@@ -42,6 +47,7 @@ class WorkerSpec:
     tp_size: int
     random_seed: int | None  # seeded random weights instead of the checkpoint
     weight_format: WeightFormat = WeightFormat()  # linear weights dense or FP8 block-scaled
+    graphs: GraphConfig = GraphConfig()  # how decode steps run
 
 
 class Worker:
@@ -66,6 +72,8 @@ class Worker:
         self.ops: AttentionOps = ops(self.layout)
         self.kv_pool = torch.empty(0, self.layout.page_bytes, dtype=torch.uint8, device=device)
         self.residency: RankResidency | None = None  # set when the replica has a host tier
+        self.graph_config = spec.graphs
+        self.graphs: DecodeGraphs | None = None  # set with the pool unless enforce_eager
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of this rank's GPU after its weights; (0, 0) off the GPU."""
@@ -75,27 +83,51 @@ class Worker:
         return int(free), int(total)
 
     def init_kv_pool(self, num_pages: int) -> None:
-        """This rank's replica of the page pool; sized after the weights so the free memory is known."""
-        self.kv_pool = torch.zeros(num_pages, self.layout.page_bytes, dtype=torch.uint8, device=self.device)
+        """This rank's replica of the page pool, sized after the weights so the free memory is known, and
+        its decode graphs. One page more than the driver's is the scratch page decode padding writes."""
+        pool = torch.zeros(num_pages + 1, self.layout.page_bytes, dtype=torch.uint8, device=self.device)
+        self.kv_pool = pool[:num_pages]
         logger.info(
             "rank %d KV pool: %d pages x %.2f MiB (%s rows)", self.rank, num_pages, self.layout.page_bytes / 2**20,
             self.layout.kv_format,
         )
+        if self.graph_config.enforce_eager:
+            return
+        # Looked up at each call, so a test's wrapper of `sample_logits` sees uncaptured steps too.
+        sampler = (lambda logits, sampling: self.sample_logits(logits, sampling)) if self.rank == 0 else None
+        self.graphs = DecodeGraphs(self.graph_config, self.model, self.layout, self.ops, pool, num_pages, sampler)
+        self.graphs.capture_common(self.residency)
 
     def attach_host_pool(self, host: torch.Tensor) -> None:
         self.residency = RankResidency(self.layout, self.kv_pool, host)
         self.residency.warm_up(self.index_topk)
 
     def execute_model(self, step: StepInput) -> StepOutput:
-        batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
         self._after_mirrors()
-        if self.rank == 0:
-            logits = self.model(batch, self.kv_pool, self.layout, self.ops)
+        key = self.graphs.key_for(step) if self.graphs is not None else None
+        if key is not None:
+            out = self.graphs.launch(key, step, self.residency)
+            tokens = None if out is None else out[: step.num_requests].tolist()
         else:
-            self.model.hidden_states(batch, self.kv_pool, self.layout, self.ops)
-            logits = None
+            tokens = self._eager(step)
         counts = self.residency.take_counts() if self.residency is not None else ResolveCounts()
-        return StepOutput(logits, counts)
+        return StepOutput(tokens, counts)
+
+    def _eager(self, step: StepInput) -> list[int] | None:
+        batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
+        hidden = self.model.hidden_states(batch, self.kv_pool, self.layout, self.ops)
+        if self.rank != 0:
+            return None
+        return self.sample_logits(self.model.logits(hidden), step.sampling.to(self.device)).tolist()
+
+    def sample_logits(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
+        """The token ids of `logits` [S, V] (a method, so a test can watch the logits of an eager or an
+        uncaptured step)."""
+        return sample(logits, sampling)
+
+    def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.close()
 
     # --- residency, as the driver decided it -------------------------------------------
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
-from engine.sampler import sample
+from engine.sampler import SamplingBatch, sample
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 VOCAB = 154880
@@ -27,7 +27,8 @@ def _batch(n: int) -> tuple[torch.Tensor, list[SamplingParams]]:
 def test_seeded_draws_agree_between_cpu_and_gpu() -> None:
     logits, params = _batch(256)
     seeds, positions = list(range(1000, 1256)), [i % 7 for i in range(256)]
-    cpu = sample(logits, params, seeds, positions)
-    gpu = sample(logits.cuda(), params, seeds, positions)
+    batch = SamplingBatch.build(params, seeds, positions, VOCAB)
+    cpu = sample(logits, batch).tolist()
+    gpu = sample(logits.cuda(), batch.to(torch.device("cuda"))).tolist()
     agree = sum(a == b for a, b in zip(cpu, gpu))
     assert agree >= 254, agree

@@ -1,0 +1,332 @@
+"""Decode steps over persistent buffers, captured as CUDA graphs per shape.
+
+A decode step (every request brings one row and samples it) runs through a
+fixed set of views into buffers this rank allocates once: token ids,
+positions, write slots, page tables, context lengths, sampling parameters and,
+when some request has host-only pages, the residency page tables, lease table
+and step stamp of its resolve. The step is padded to the next of a few batch
+sizes and its page tables to the next of a few context widths (from
+`_MIN_CONTEXT` up, two per doubling: 2, 3, 4, 6, 8, 12, ... K tokens; the
+indexer scores that many positions per row, at most 1.5x the longest
+context); the top-K width is always the model's K. Padding rows decode token 0 at position 0 from a scratch
+page that no request owns, greedily, and their tokens are dropped.
+
+On a GPU each shape (`GraphKey`: rows, width, whether a resolve runs, the
+sampler's mode) is captured once as a CUDA graph covering embedding to sampled
+token ids: the indexer, the residency resolve and its miss copies, sparse MLA,
+the fused MoE and, with tensor parallelism, the all-reduces. A step then costs
+the host a few small copies into the buffers, one replay and one read of the
+token ids. The greedy shapes at the narrowest width are captured when the pool
+is built; other shapes on their first step, which runs eagerly through the
+same buffers and is captured after (every rank decides the same, so their
+collectives stay in step). Off the GPU the same buffers and padding run without
+capture. Steps with prefill rows, more requests than the largest batch size or
+contexts beyond `max_model_len` run eagerly (engine/rank/worker.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention_ops import AttentionOps
+from engine.forward_batch import ForwardBatch
+from engine.kv_layout import KVLayout
+from engine.model import GlmMoeDsaForCausalLM
+from engine.rank.rank_residency import DecodeLeases, RankResidency
+from engine.rank.step import NonResidentSpec, StepInput
+from engine.sampler import SamplerMode, SamplingBatch
+from kernels.resolve import LEASE_WIDTH
+
+logger = logging.getLogger(__name__)
+
+# Decode batch sizes a step is padded to (those up to the engine's max_num_seqs, and that one).
+_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# The narrowest page-table width in tokens; wider ones double up to max_model_len.
+_MIN_CONTEXT = 2048
+
+Sampler = Callable[[torch.Tensor, SamplingBatch], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """How decode steps run on a rank."""
+
+    enforce_eager: bool = False  # every step eagerly: no persistent buffers, no graphs
+    max_batch: int = 64  # the largest decode batch run through the buffers (the engine's max_num_seqs)
+    max_model_len: int = 8192  # the widest page table the buffers hold, in tokens
+
+
+def batch_sizes(max_batch: int) -> tuple[int, ...]:
+    return tuple(sorted({b for b in _BATCH_SIZES if b < max_batch} | {max_batch}))
+
+
+def context_widths(topk: int, max_model_len: int, page_size: int) -> tuple[int, ...]:
+    """Page-table widths in tokens (whole pages, at least K, the last one covering max_model_len): from
+    `_MIN_CONTEXT` up, each 1.5x or 4/3x the one before (2, 3, 4, 6, 8, 12, ...)."""
+    def pages(tokens: int) -> int:
+        return -(-tokens // page_size) * page_size
+
+    last = pages(max(max_model_len, topk))
+    widths = [min(last, pages(max(_MIN_CONTEXT, topk)))]
+    while widths[-1] < last:
+        w = widths[-1]
+        power = 1 << (w.bit_length() - 1)
+        widths.append(min(last, pages(power * 3 // 2 if w == power else power * 2)))
+    return tuple(widths)
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """One captured shape."""
+
+    rows: int  # padded batch size
+    context: int  # page-table width in tokens, the indexer's scoring width
+    resolves: bool  # some request has host-only pages: the residency resolve runs for every row
+    sampler: SamplerMode
+
+
+class _Buffers:
+    """Flat device buffers of the largest shape, with pinned host twins the step is staged in. A shape's
+    tensors are views of their leading elements, so every shape reads the same memory."""
+
+    def __init__(self, sizes: dict[str, tuple[int, torch.dtype]], device: torch.device) -> None:
+        self.device = device
+        self.dev = {name: torch.zeros(n, dtype=dtype, device=device) for name, (n, dtype) in sizes.items()}
+        pin = device.type == "cuda"
+        self.host = {name: torch.zeros(n, dtype=dtype, pin_memory=pin) if pin else self.dev[name]
+                     for name, (n, dtype) in sizes.items()}
+        self._copied: torch.cuda.Event | None = None  # the last step's copies out of the host twins
+
+    def view(self, name: str, *shape: int) -> torch.Tensor:
+        return self.dev[name][: math.prod(shape)].view(shape)
+
+    def begin(self) -> None:
+        """Waits until the last step's copies have left the host twins (done at once when its tokens
+        were read; a rank that reads no tokens runs at most one step behind)."""
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()
+
+    def put(self, name: str, shape: tuple[int, ...], pad: float | int, value: torch.Tensor | None = None) -> None:
+        """Writes `value` into the leading corner of the [shape] view, `pad` elsewhere, and queues the copy."""
+        host = self.host[name][: math.prod(shape)].view(shape)
+        host.fill_(pad)
+        if value is not None and value.numel():
+            host[tuple(slice(0, n) for n in value.shape)] = value
+        if self.device.type == "cuda":
+            self.view(name, *shape).copy_(host, non_blocking=True)
+
+    def end(self) -> None:
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+
+class DecodeGraphs:
+    """One rank's decode runner: persistent buffers, graphs per `GraphKey`, the padding around them."""
+
+    def __init__(self, config: GraphConfig, model: GlmMoeDsaForCausalLM, layout: KVLayout, ops: AttentionOps,
+                 pool: torch.Tensor, scratch_page: int, sampler: Sampler | None) -> None:
+        """`pool` includes `scratch_page`, which padding rows write and read; `sampler` is given on the rank
+        that returns tokens (None elsewhere)."""
+        self.model, self.layout, self.ops, self.pool = model, layout, ops, pool
+        self.scratch_page, self.sampler = scratch_page, sampler
+        self.topk = model.cfg.index_topk
+        self.batch_sizes = batch_sizes(config.max_batch)
+        self.widths = context_widths(self.topk, config.max_model_len, layout.page_size)
+        self.capture = pool.is_cuda
+        rows, pages, idx_pages = self.batch_sizes[-1], self._pages(self.widths[-1]), self._indexer_pages(self.widths[-1])
+        groups = len(layout.group_sizes)
+        self.buffers = _Buffers({
+            "input_ids": (rows, torch.long), "positions": (rows, torch.long), "context_lens": (rows, torch.long),
+            "mla_write_slots": (rows, torch.long), "indexer_write_slots": (rows, torch.long),
+            "mla_page_table": (rows * pages, torch.long), "indexer_page_table": (rows * idx_pages, torch.long),
+            "inv_temperature": (rows, torch.float32), "greedy": (rows, torch.bool), "top_k": (rows, torch.long),
+            "top_p": (rows, torch.float32), "keys": (rows, torch.long),
+            "gpu_pages": (rows * pages, torch.int32), "host_pages": (rows * pages, torch.int32),
+            "lease_table": (groups * rows * LEASE_WIDTH, torch.long), "step": (1, torch.long),
+        }, pool.device)
+        self._arange = torch.arange(rows, device=pool.device)
+        self._batches: dict[GraphKey, ForwardBatch] = {}
+        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self._pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
+        self.steps_run: Counter[GraphKey] = Counter()  # decode steps run through the buffers, by shape
+
+    def _pages(self, width: int) -> int:
+        return width // self.layout.page_size
+
+    def _indexer_pages(self, width: int) -> int:
+        return -(-width // self.layout.indexer_tokens_per_page)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def is_captured(self, key: GraphKey) -> bool:
+        return key in self._graphs
+
+    # --- which steps -------------------------------------------------------------------
+
+    def key_for(self, step: StepInput) -> GraphKey | None:
+        """The shape `step` runs as, or None when it must run eagerly."""
+        if not step.is_decode or step.num_requests > self.batch_sizes[-1]:
+            return None
+        longest = max(step.context_lens)
+        width = next((w for w in self.widths if w >= longest), None)
+        if width is None:
+            return None
+        rows = next(b for b in self.batch_sizes if b >= step.num_requests)
+        return GraphKey(rows, width, bool(step.nonresident), step.sampling.mode)
+
+    def capture_common(self, residency: RankResidency | None) -> None:
+        """Captures the greedy shapes at the narrowest width, largest first (they share one memory pool),
+        so a serving decode step at a common shape never waits for a capture."""
+        if not self.capture:
+            return
+        for rows in reversed(self.batch_sizes):
+            key = GraphKey(rows, self.widths[0], False, "greedy")
+            batch = self._fill(key, None, residency)
+            self._forward(batch, key)  # compiles every kernel of the shape; writes only the scratch page
+            self._capture(key, batch)
+        logger.info("captured %d decode graphs (batch sizes %s, width %d)", len(self.batch_sizes),
+                    list(self.batch_sizes), self.widths[0])
+
+    # --- running a step -----------------------------------------------------------------
+
+    def launch(self, key: GraphKey, step: StepInput, residency: RankResidency | None) -> torch.Tensor | None:
+        """Runs decode `step` as `key`: replays its graph, or runs eagerly through the same buffers and
+        captures the graph after (on a GPU). Returns the sampling rank's token ids [key.rows] on the
+        device, padding rows last; the host has not waited for them."""
+        batch = self._fill(key, step, residency)
+        self.steps_run[key] += 1
+        captured = self._graphs.get(key)
+        if captured is not None:
+            graph, tokens = captured
+            graph.replay()
+            return tokens
+        tokens = self._forward(batch, key)
+        if self.capture:
+            start = time.perf_counter()
+            self._capture(key, batch)
+            logger.info("captured the decode graph of %s in %.0f ms", key, 1e3 * (time.perf_counter() - start))
+        return tokens
+
+    def _forward(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor | None:
+        hidden = self.model.hidden_states(batch, self.pool, self.layout, self.ops)
+        if self.sampler is None:
+            return None
+        return self.sampler(self.model.logits(hidden), self._sampling(key))
+
+    def _capture(self, key: GraphKey, batch: ForwardBatch) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool_handle, capture_error_mode="thread_local"):
+            tokens = self._forward(batch, key)
+        self._graphs[key] = (graph, tokens)
+
+    def close(self) -> None:
+        """Drops the graphs (a captured collective left alive hangs the process group's teardown)."""
+        self._graphs.clear()
+
+    # --- the buffers ----------------------------------------------------------------------
+
+    def _sampling(self, key: GraphKey) -> SamplingBatch:
+        view, n = self.buffers.view, key.rows
+        return SamplingBatch(view("inv_temperature", n), view("greedy", n), view("top_k", n), view("top_p", n),
+                             view("keys", n), key.sampler)
+
+    def _fill(self, key: GraphKey, step: StepInput | None, residency: RankResidency | None) -> ForwardBatch:
+        """Stages `step` (None: padding only) into the buffers as `key` and returns the key's batch."""
+        buffers, rows = self.buffers, key.rows
+        page, per_page = self.layout.page_size, self.layout.indexer_tokens_per_page
+        pages, idx_pages = self._pages(key.context), self._indexer_pages(key.context)
+        real = 0 if step is None else step.num_requests
+        pad = torch.arange(rows - real)
+        buffers.begin()
+        put = buffers.put
+        put("input_ids", (rows,), 0, None if step is None else step.input_ids)
+        put("positions", (rows,), 0, None if step is None else step.positions)
+        put("context_lens", (rows,), 1, None if step is None else torch.tensor(step.context_lens))
+        for name, per in (("mla_write_slots", page), ("indexer_write_slots", per_page)):
+            slots = self.scratch_page * per + pad % per  # distinct slots of the scratch page where they fit
+            put(name, (rows,), 0, slots if step is None else torch.cat([getattr(step, name), slots]))
+        put("mla_page_table", (rows, pages), self.scratch_page, None if step is None else step.mla_page_table)
+        put("indexer_page_table", (rows, idx_pages), self.scratch_page,
+            None if step is None else step.indexer_page_table)
+        sampling = None if step is None else step.sampling
+        for name, fill in (("inv_temperature", 1.0), ("greedy", True), ("top_k", 0), ("top_p", 1.0), ("keys", 0)):
+            put(name, (rows,), fill, None if sampling is None else getattr(sampling, name))
+        leases = self._fill_leases(key, step, residency) if key.resolves else None
+        buffers.end()
+
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = self._batch(key, residency)
+        batch.context_lens_host = [1] * rows if step is None else [*step.context_lens, *[1] * (rows - real)]
+        batch.request_ids = [""] * rows if step is None else [*step.request_ids, *[""] * (rows - real)]
+        if leases is not None:
+            batch.decode_leases.leases = leases
+        return batch
+
+    def _fill_leases(self, key: GraphKey, step: StepInput | None,
+                     residency: RankResidency | None) -> list[list]:
+        """Stages the resolve's page tables and lease table: host-only pages of the requests that have
+        them, the in-place pages of the others, the scratch page for padding."""
+        rows, pages, put = key.rows, self._pages(key.context), self.buffers.put
+        if residency is None:
+            raise RuntimeError("a resolving decode step needs this rank's host tier")
+        specs: list[NonResidentSpec | None] = [None] * rows
+        gpu = torch.full((rows, pages), self.scratch_page, dtype=torch.int32)
+        host = torch.full((rows, pages), -1, dtype=torch.int32)
+        if step is not None:
+            width = min(pages, step.mla_page_table.shape[1])
+            gpu[: step.num_requests, :width] = step.mla_page_table[:, :width]
+            for b, spec in step.nonresident.items():
+                specs[b] = spec
+                gpu[b, : spec.gpu_pages.numel()] = spec.gpu_pages
+                host[b, : spec.host_pages.numel()] = spec.host_pages
+        put("gpu_pages", (rows, pages), 0, gpu)
+        put("host_pages", (rows, pages), 0, host)
+        leases, table = residency.lease_rows(specs)
+        put("lease_table", (len(leases), rows, LEASE_WIDTH), 0, table)
+        put("step", (1,), 0 if step is None else step.step)  # the stamp is the fill value
+        return leases
+
+    def _batch(self, key: GraphKey, residency: RankResidency | None) -> ForwardBatch:
+        """The key's `ForwardBatch`: views of the buffers (the same tensors at every replay)."""
+        view, rows = self.buffers.view, key.rows
+        pages, idx_pages = self._pages(key.context), self._indexer_pages(key.context)
+        decode = None
+        if key.resolves:
+            decode = DecodeLeases(
+                rows=None,
+                gpu_pages=view("gpu_pages", rows, pages),
+                host_pages=view("host_pages", rows, pages),
+                leases=[],
+                lease_table=view("lease_table", len(self.layout.group_sizes), rows, LEASE_WIDTH),
+                step=view("step", 1),
+            )
+        return ForwardBatch(
+            input_ids=view("input_ids", rows),
+            positions=view("positions", rows),
+            req_of_row=self._arange[:rows],
+            mla_write_slots=view("mla_write_slots", rows),
+            indexer_write_slots=view("indexer_write_slots", rows),
+            mla_page_table=view("mla_page_table", rows, pages),
+            indexer_page_table=view("indexer_page_table", rows, idx_pages),
+            context_lens=view("context_lens", rows),
+            logits_rows=self._arange[:rows],
+            row_ranges=[(i, i + 1) for i in range(rows)],
+            context_lens_host=[1] * rows,
+            request_ids=[""] * rows,
+            max_context=key.context,
+            page_size=self.layout.page_size,
+            indexer_tokens_per_page=self.layout.indexer_tokens_per_page,
+            decode_leases=decode,
+            residency=residency,
+        )
