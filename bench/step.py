@@ -98,8 +98,9 @@ class ExpertCounter:
                 self._hooks.append(module.gate.register_forward_hook(self._count))
         return self
 
-    def _count(self, _module, _inputs, output) -> None:  # noqa: ANN001
-        self.counts.append(int(output[1].unique().numel()))
+    def _count(self, module, _inputs, output) -> None:  # noqa: ANN001
+        routed = output[1][:, : module.cfg.num_experts_per_tok]  # the shared expert, when appended, is counted apart
+        self.counts.append(int(routed.unique().numel()))
 
     def __exit__(self, *exc: object) -> None:
         self._worker.graphs = self._graphs

@@ -22,7 +22,7 @@ from torch import nn
 from engine.attention_ops import AttentionOps
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
-from engine.layers import RMSNorm, apply_rope
+from engine.layers import RMSNorm, rotate
 from engine.linear import WeightFormat, make_linear
 from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
@@ -61,8 +61,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        r = self.cfg.qk_rope_head_dim
-        return torch.cat([apply_rope(x[..., :r], cos, sin, self.cfg.rope_interleave), x[..., r:]], dim=-1)
+        return rotate(x, cos, sin, self.cfg.qk_rope_head_dim, self.cfg.rope_interleave)
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, ctx: StepContext, full_index: int) -> Selection:
         cfg = self.cfg
@@ -107,11 +106,12 @@ class MLAAttention(nn.Module):
         h, dn, dv, dl = self.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         q_latent = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(-1, h, cfg.qk_head_dim)
-        q_nope, q_rope = q[..., :dn], apply_rope(q[..., dn:], cos, sin, cfg.rope_interleave)
+        dr = cfg.qk_rope_head_dim
+        q_nope, q_rope = q[..., :dn], rotate(q[..., dn:], cos, sin, dr, cfg.rope_interleave)
 
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([dl, cfg.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([dl, dr], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        k_rope = apply_rope(k_rope, cos, sin, cfg.rope_interleave)
+        k_rope = rotate(k_rope, cos, sin, dr, cfg.rope_interleave)
         ctx.ops.write_mla_rows(ctx.kv_pool, self.layer, batch.mla_write_slots, latent, k_rope)
         view = layout.mla_layer_view(ctx.kv_pool, self.layer)
 

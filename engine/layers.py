@@ -18,10 +18,13 @@ from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
 from kernels.fp8_gemm import FP8_BLOCK
 from kernels.fused_moe import fused_moe, fused_moe_ref
+from kernels.rmsnorm import rmsnorm
+from kernels.rope import rope
+from kernels.router import route
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as the reference does."""
+    """RMSNorm computed in float32 and cast back, as the reference does (one kernel on a GPU)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -29,6 +32,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype == self.weight.dtype:
+            return rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -66,6 +71,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool) -> torch.Tensor:
+    """`apply_rope` on the first `rope_dim` dimensions of x [T, ..., D], the rest unchanged, as one new
+    tensor (one kernel on a GPU)."""
+    if x.is_cuda:
+        return rope(x, cos, sin, rope_dim, interleaved)
+    if rope_dim == x.shape[-1]:
+        return apply_rope(x, cos, sin, interleaved)
+    return torch.cat([apply_rope(x[..., :rope_dim], cos, sin, interleaved), x[..., rope_dim:]], dim=-1)
+
+
 class MLP(nn.Module):
     """SwiGLU MLP: the dense layers, each routed expert and the shared expert.
 
@@ -91,10 +106,15 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
         self.cfg = cfg
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (weights [T, k] float32, expert ids [T, k])."""
+    def forward(self, x: torch.Tensor, shared_slot: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (weights [T, k'] float32, expert ids [T, k']): the top-k experts, then, with `shared_slot` >= 0,
+        that expert with weight 1 for every token (k' = k + 1). One kernel after the logits on a GPU."""
         cfg = self.cfg
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        logits = F.linear(x.float(), self.weight.float())
+        if logits.is_cuda:
+            return route(logits, self.e_score_correction_bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
+                         cfg.norm_topk_prob, cfg.routed_scaling_factor, shared_slot)
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         grouped = choice.view(-1, cfg.n_group, cfg.n_routed_experts // cfg.n_group)
         group_scores = grouped.topk(2, dim=-1).values.sum(-1)
@@ -106,7 +126,11 @@ class Router(nn.Module):
         weights = scores.gather(1, ids)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
+        weights = weights * cfg.routed_scaling_factor
+        if shared_slot < 0:
+            return weights, ids
+        return (torch.cat([weights, torch.ones_like(weights[:, :1])], 1),
+                torch.cat([ids, torch.full_like(ids[:, :1], shared_slot)], 1))
 
 
 class StackedExperts(nn.Module):
@@ -164,9 +188,6 @@ class MoE(nn.Module):
         self.shared_slot = cfg.n_routed_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        if not self.fold_shared:
-            return self.experts(x, weights, ids) + self.shared_experts(x)
-        ones = torch.ones_like(weights[:, :1])
-        shared = torch.full_like(ids[:, :1], self.shared_slot)
-        return self.experts(x, torch.cat([weights, ones], 1), torch.cat([ids, shared], 1))
+        if self.fold_shared:
+            return self.experts(x, *self.gate(x, self.shared_slot))
+        return self.experts(x, *self.gate(x)) + self.shared_experts(x)

@@ -84,6 +84,16 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta)
 
+    def hold_float32_parts(self) -> None:
+        """Keeps in float32 what is computed in float32 whatever the model dtype: the indexer's head weights
+        (float32 as published) and the routers' weights (their scores; their bias is float32 already), so
+        no step converts them again. Called once the model is built, before its weights are set."""
+        for layer in self.model.layers:
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.weights_proj.float()
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.gate.float()
+
     @torch.inference_mode()
     def forward(
         self, batch: ForwardBatch, kv_pool: torch.Tensor, layout: KVLayout, ops: AttentionOps

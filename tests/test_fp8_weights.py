@@ -91,9 +91,7 @@ def test_memory_plan_counts_the_bytes_the_model_allocates(tiny_dir: Path, fp8_di
     fmt, dtype = (WeightFormat("fp8"), torch.bfloat16) if fp8 else (WeightFormat(), torch.float32)
     for rank in range(tp_size):
         model = build_model(cfg, TensorParallel(rank, tp_size), fmt, dtype, torch.device("cpu"))
-        for layer in model.model.layers:  # as the worker holds them: the indexer's head weights in float32
-            if layer.self_attn.indexer is not None:
-                layer.self_attn.indexer.weights_proj.float()
+        model.hold_float32_parts()  # as the worker holds them
         assert weight_bytes(cfg, tp_size, fmt, dtype) == _allocated(model)
 
 
@@ -101,9 +99,7 @@ def test_glm53_plan_matches_the_model_built_at_its_shapes() -> None:
     cfg = ModelConfig.from_dir(ROOT / "configs" / "models" / "glm-5.3")
     fmt = WeightFormat("fp8")
     model = build_model(cfg, TensorParallel(0, 8), fmt, torch.bfloat16, torch.device("meta"))
-    for layer in model.model.layers:
-        if layer.self_attn.indexer is not None:
-            layer.self_attn.indexer.weights_proj.float()
+    model.hold_float32_parts()
     planned = weight_bytes(cfg, 8, fmt, torch.bfloat16)
     assert planned == _allocated(model)
     assert 80e9 < planned < 110e9  # FP8 GLM-5.3 fits one H200 per rank; bf16 would not

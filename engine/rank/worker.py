@@ -58,10 +58,7 @@ class Worker:
         self.index_topk = cfg.index_topk
         tp = TensorParallel(rank, spec.tp_size)
         self.model = build_model(cfg, tp, spec.weight_format, spec.dtype, device)
-        # The indexer's head weights stay in float32, as published (the router's bias is float32 already).
-        for layer in self.model.model.layers:
-            if layer.self_attn.indexer is not None:
-                layer.self_attn.indexer.weights_proj.float()
+        self.model.hold_float32_parts()
         if spec.random_seed is not None:
             random_init(self.model, spec.random_seed)
         else:

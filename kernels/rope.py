@@ -1,0 +1,63 @@
+"""Rotary embedding of the first R dimensions of each head, in one launch (the eager PyTorch form is
+seven: four products, a difference, a sum and the concatenation, plus one more to append the unrotated
+rest).
+
+x [T, H, D] (heads may be strided, the last dimension contiguous), tables cos/sin [T, R/2]. Pairs are
+(x0, x1), (x2, x3), ... when interleaved, (x_i, x_{R/2+i}) otherwise; the output holds the rotated first
+members, then the rotated second members, then dimensions R..D unchanged: the order
+`engine.layers.apply_rope` writes, which queries and keys share, so their dot products are the true
+rotation's. The products are computed in float32 and rounded once (the eager bf16 form rounds each
+product), so bf16 results may differ from the eager form in the last bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, x_row_stride, x_head_stride, table_stride,
+                 R: tl.constexpr, D: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_BLOCK: tl.constexpr,
+                 REST_BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    t, h = pid // heads, pid % heads
+    x_row = x_ptr + t * x_row_stride + h * x_head_stride
+    out_row = out_ptr + pid * D
+    half = R // 2
+    i = tl.arange(0, HALF_BLOCK)
+    pair = i < half
+    if INTERLEAVED:
+        first, second = 2 * i, 2 * i + 1
+    else:
+        first, second = i, i + half
+    x1 = tl.load(x_row + first, mask=pair, other=0.0)
+    x2 = tl.load(x_row + second, mask=pair, other=0.0)
+    c = tl.load(cos_ptr + t * table_stride + i, mask=pair, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * table_stride + i, mask=pair, other=0.0).to(tl.float32)
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    tl.store(out_row + i, (a * c - b * s).to(x1.dtype), mask=pair)
+    tl.store(out_row + half + i, (b * c + a * s).to(x1.dtype), mask=pair)
+    if D > R:
+        j = tl.arange(0, REST_BLOCK)
+        rest = j < D - R
+        tl.store(out_row + R + j, tl.load(x_row + R + j, mask=rest), mask=rest)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, interleaved: bool) -> torch.Tensor:
+    """x [T, D] or [T, H, D], cos/sin [T, rope_dim/2] -> a new contiguous tensor of x's shape and dtype with
+    the first `rope_dim` dimensions of every head rotated and the rest copied."""
+    x3 = x.unsqueeze(1) if x.dim() == 2 else x
+    t, heads, dim = x3.shape
+    if (x3.stride(2) != 1 or rope_dim % 2 or rope_dim > dim or cos.shape != (t, rope_dim // 2)
+            or sin.shape != cos.shape or cos.stride(1) != 1 or sin.stride() != cos.stride()):
+        raise ValueError("rope needs x [T, (H,) D] with a contiguous last dimension and tables [T, rope_dim/2]")
+    out = torch.empty((t, heads, dim), dtype=x.dtype, device=x.device)
+    if t * heads:
+        _rope_kernel[(t * heads,)](
+            x3, cos, sin, out, heads, x3.stride(0), x3.stride(1), cos.stride(0),
+            R=rope_dim, D=dim, INTERLEAVED=interleaved, HALF_BLOCK=triton.next_power_of_2(rope_dim // 2),
+            REST_BLOCK=triton.next_power_of_2(max(dim - rope_dim, 1)), num_warps=1,
+        )
+    return out.view(x.shape)

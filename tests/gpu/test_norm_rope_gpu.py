@@ -1,0 +1,41 @@
+"""RMSNorm and rotary kernels at GLM-5.3's shapes in bf16 on the GPU, against the eager forms computed in
+float32 and rounded once: within one bf16 rounding (the eager bf16 forms round every intermediate)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers import RMSNorm, apply_rope
+from kernels.rmsnorm import rmsnorm
+from kernels.rope import rope
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+BF16 = dict(rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize(("rows", "width", "dim"), [(1, 6144, 6144), (64, 6144, 6144), (64, 576, 512), (8, 2048, 2048)])
+def test_rmsnorm_bf16(rows: int, width: int, dim: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(rows + dim)
+    x = (torch.randn(rows, width, device="cuda", generator=gen) * 4).bfloat16()[:, :dim]
+    weight = (torch.rand(dim, device="cuda", generator=gen) + 0.5).bfloat16()
+    norm = RMSNorm(dim, 1e-5).cuda().float()
+    norm.weight.data = weight.float()
+    want = norm(x.float()).bfloat16()
+    torch.testing.assert_close(rmsnorm(x, weight, 1e-5), want, **BF16)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_bf16(interleaved: bool) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    t = 64
+    angles = torch.rand(t, 32, device="cuda", generator=gen) * 100
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    q = torch.randn(t, 8, 256, device="cuda", generator=gen).bfloat16()  # 8 heads of 192 nope + 64 rope (padded)
+    want = apply_rope(q[..., 192:].float(), cos.float(), sin.float(), interleaved).bfloat16()
+    torch.testing.assert_close(rope(q[..., 192:], cos, sin, 64, interleaved), want, **BF16)
+    idx_q = torch.randn(t, 32, 128, device="cuda", generator=gen).bfloat16()  # indexer: rope first, then the rest
+    got = rope(idx_q, cos, sin, 64, interleaved)
+    want = apply_rope(idx_q[..., :64].float(), cos.float(), sin.float(), interleaved).bfloat16()
+    torch.testing.assert_close(got[..., :64], want, **BF16)
+    assert torch.equal(got[..., 64:], idx_q[..., 64:])

@@ -1,0 +1,32 @@
+"""The router's one-launch selection on the GPU at GLM-5.3's routing (256 experts, one group, top-8, shared
+expert appended) chooses what `engine.layers.Router` chooses on the CPU, with float32 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers import Router
+from engine.model_config import ModelConfig
+from engine.tiny import TINY_CONFIG
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_router_on_the_gpu_matches_the_cpu() -> None:
+    cfg = ModelConfig.from_dict(dict(TINY_CONFIG, vocab_size=448, hidden_size=512, n_routed_experts=256, n_group=1,
+                                     topk_group=1, num_experts_per_tok=8))
+    router = Router(cfg)
+    gen = torch.Generator().manual_seed(5)
+    router.weight.data = torch.randn(256, 512, generator=gen) * 0.05
+    router.e_score_correction_bias = torch.randn(256, generator=gen) * 0.02
+    x = torch.randn(128, 512, generator=gen)
+    want_w, want_ids = router(x, 256)
+    got_w, got_ids = router.cuda()(x.cuda(), 256)
+    got_ids, got_w = got_ids.cpu().long(), got_w.cpu()
+    order_got, order_want = got_ids.sort(1), want_ids.sort(1)
+    # a GPU matmul may round a logit differently from the CPU's: allow a near-tie to swap the 8th expert
+    same = (order_got.values == order_want.values).all(1)
+    assert same.float().mean() >= 0.97, same.float().mean()
+    torch.testing.assert_close(got_w.gather(1, order_got.indices)[same], want_w.gather(1, order_want.indices)[same],
+                               rtol=1e-5, atol=1e-6)

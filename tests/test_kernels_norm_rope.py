@@ -1,0 +1,67 @@
+"""RMSNorm and rotary kernels (`kernels/rmsnorm.py`, `kernels/rope.py`) against the model's PyTorch forms, under
+the Triton interpreter (TRITON_INTERPRET=1 before triton is imported), in float32 and float16 at small shapes,
+with the strided inputs the model hands them (a split of a wider projection, a slice of the heads). bf16 at
+GLM-5.3's shapes runs on the GPU (tests/gpu/test_norm_rope_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.layers import RMSNorm, apply_rope  # noqa: E402
+from kernels.rmsnorm import rmsnorm  # noqa: E402
+from kernels.rope import rope  # noqa: E402
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rmsnorm_equals_the_module(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    wide = (torch.randn(5, 96, generator=gen) * 3).to(dtype)
+    x = wide[:, :80]  # rows strided like the latent split of kv_a_proj
+    norm = RMSNorm(80, 1e-6).to(dtype)
+    norm.weight.data = (torch.rand(80, generator=gen) + 0.5).to(dtype)
+    got = rmsnorm(x, norm.weight, norm.eps)
+    assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+    torch.testing.assert_close(got, norm(x), **TOL[dtype])
+    heads = wide[:, :64].reshape(5, 2, 32)  # per-head norm of a [T, H, D] tensor
+    head_norm = RMSNorm(32, 1e-6).to(dtype)
+    head_norm.weight.data = norm.weight.data[:32].clone()
+    torch.testing.assert_close(rmsnorm(heads, head_norm.weight, 1e-6), head_norm(heads), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_equals_apply_rope(dtype: torch.dtype, interleaved: bool) -> None:
+    gen = torch.Generator().manual_seed(1)
+    t, heads, rope_dim = 6, 3, 16
+    angles = torch.rand(t, rope_dim // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q = torch.randn(t, heads, 40, generator=gen).to(dtype)
+    # the MLA query's rope part: the last 16 of 40 dimensions of each head (strided heads, no rest)
+    got = rope(q[..., 24:], cos, sin, rope_dim, interleaved)
+    torch.testing.assert_close(got, apply_rope(q[..., 24:].float(), cos.float(), sin.float(), interleaved).to(dtype),
+                               **TOL[dtype])
+    # the indexer's: the first 16 of 40 rotated, the rest copied
+    got = rope(q, cos, sin, rope_dim, interleaved)
+    want = torch.cat([apply_rope(q[..., :16].float(), cos.float(), sin.float(), interleaved).to(dtype), q[..., 16:]], -1)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    assert torch.equal(got[..., 16:], q[..., 16:])
+    # a 2-D key, a split of a wider row
+    wide = torch.randn(t, 56, generator=gen).to(dtype)
+    got = rope(wide[:, 40:], cos, sin, rope_dim, interleaved)
+    torch.testing.assert_close(got, apply_rope(wide[:, 40:].float(), cos.float(), sin.float(), interleaved).to(dtype),
+                               **TOL[dtype])
+
+
+def test_bad_shapes_are_refused() -> None:
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError):
+        rmsnorm(x, torch.ones(7), 1e-6)
+    with pytest.raises(ValueError):
+        rope(x, torch.ones(4, 3), torch.ones(4, 3), 8, True)

@@ -1,0 +1,44 @@
+"""The router's one-launch selection (`kernels/router.py`) against `engine.layers.Router`'s PyTorch form, under
+the Triton interpreter: the same experts and float32 weights, for grouped routing (the tiny model's two groups)
+and GLM-5.3's 256 experts in one group, with and without the shared expert appended."""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine.layers import Router  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from engine.tiny import TINY_CONFIG  # noqa: E402
+from kernels.router import route  # noqa: E402
+
+
+@pytest.mark.parametrize(("experts", "groups", "topk_group", "k"), [(8, 2, 1, 2), (16, 4, 2, 4), (256, 1, 1, 8)])
+@pytest.mark.parametrize("shared_slot", [-1, 5])
+def test_route_equals_the_router(experts: int, groups: int, topk_group: int, k: int, shared_slot: int) -> None:
+    cfg = ModelConfig.from_dict(dict(TINY_CONFIG, vocab_size=448, n_routed_experts=experts, n_group=groups, topk_group=topk_group,
+                                     num_experts_per_tok=k))
+    router = Router(cfg)
+    gen = torch.Generator().manual_seed(experts + k)
+    router.weight.data = torch.randn(experts, cfg.hidden_size, generator=gen) * 0.2
+    router.e_score_correction_bias = torch.randn(experts, generator=gen) * 0.05
+    x = torch.randn(33, cfg.hidden_size, generator=gen)
+    want_w, want_ids = router(x, shared_slot)
+    logits = torch.nn.functional.linear(x, router.weight)
+    got_w, got_ids = route(logits, router.e_score_correction_bias, groups, topk_group, k, cfg.norm_topk_prob,
+                           cfg.routed_scaling_factor, shared_slot)
+    assert got_ids.shape == want_ids.shape == (33, k + (shared_slot >= 0))
+    # the reference's order is unspecified: compare each token's experts sorted, weights along
+    order_got, order_want = got_ids.long().sort(1), want_ids.sort(1)
+    assert torch.equal(order_got.values, order_want.values)
+    torch.testing.assert_close(got_w.gather(1, order_got.indices), want_w.gather(1, order_want.indices),
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_bad_routing_is_refused() -> None:
+    with pytest.raises(ValueError):
+        route(torch.zeros(2, 12), torch.zeros(12), 1, 1, 2, True, 1.0)  # 12 experts: not a power of two
