@@ -96,6 +96,8 @@ class EngineArgs(_Section):
     """How tensor-parallel ranks run: processes the replica spawns, or Ray actors in its placement group."""
     enforce_eager: bool = False
     """Decode steps run eagerly instead of as captured CUDA graphs over persistent buffers (debugging)."""
+    async_scheduling: bool = True
+    """The host prepares each step while the device runs the one before (off: strictly one after another)."""
     num_speculative_tokens: int = Field(0, ge=0)
     """Draft tokens per step from the model's MTP layers; 0 = off."""
     attention_config: AttentionArgs = AttentionArgs()

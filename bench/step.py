@@ -9,7 +9,9 @@ fixed cost (scheduling, sampling, output): per layer = (t8 - t4) / 4, fixed = t4
 Contexts are built without computing them B times: one prompt is prefilled, its cached pages are
 copied (device to device) under every other request's prefix hashes, so each of the B requests owns
 distinct pages of valid KV, read from HBM like any other; decode steps then run through the engine
-(`LLMEngine.step`: schedule, forward, sample, outputs), timed after a warm-up, in two modes side by
+(`LLMEngine.step`: schedule, forward, sample, outputs), timed back to back after a warm-up (the mean
+of 12 steps; with asynchronous scheduling the host's work for a step overlaps the step before), in two
+modes side by
 side: `graph` (decode steps replayed as captured CUDA graphs, engine/rank/decode_graphs.py) and
 `eager` (`enforce_eager`: every kernel launched from Python). Each step is also measured by the GPU
 time of its kernels (torch.profiler, three more steps). The graphs' page tables are padded to a
@@ -110,7 +112,7 @@ class ExpertCounter:
 
 @dataclass
 class Measured:
-    step_ms: float  # wall time of a decode step (host work included)
+    step_ms: float  # wall time of a decode step, steps back to back (host work included)
     device_ms: float  # GPU kernel time of a decode step (what the step costs once launches are free)
     experts_per_layer: float
 
@@ -152,17 +154,18 @@ def measure(engine: LLMEngine, prompts: list[list[int]], warmup: int = 4, steps:
         engine.step()
     with ExpertCounter(engine) as counter:
         engine.step()
-    times = []
+    # Steps back to back, as a server runs them (with asynchronous scheduling the host prepares each step
+    # while the device runs the one before): mean wall time per step over the run.
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
         engine.step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) * 1e3 / steps
     device = device_ms_per_step(engine)
     while engine.has_unfinished():
         engine.step()
-    return Measured(statistics.median(times), device, statistics.mean(counter.counts))
+    return Measured(step_ms, device, statistics.mean(counter.counts))
 
 
 def profile_steps(engine: LLMEngine, prompts: list[list[int]], path: Path) -> None:
@@ -202,14 +205,14 @@ def layer_floor(cfg: ModelConfig, fmt: WeightFormat, batch: int, ctx: int, exper
     return bytes_ms, flops_ms
 
 
-def run(args: argparse.Namespace, fp8: bool, eager: bool, layers: int, pages: int) -> dict[tuple[int, int], Measured]:
+def run(args: argparse.Namespace, fp8: bool, mode: str, layers: int, pages: int) -> dict[tuple[int, int], Measured]:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(rank_config(layers, fp8)))
         engine = LLMEngine(EngineConfig(
             model=tmp, dtype="bfloat16", kv_dtype="fp8", device="cuda", num_gpu_pages=pages, random_weights=True,
             quantization="fp8" if fp8 else "none", max_num_seqs=max(args.batches),
             max_num_batched_tokens=args.chunk, max_model_len=max(args.contexts) + 64, enable_prefix_cache=True,
-            enforce_eager=eager))
+            enforce_eager=mode == "eager", async_scheduling=mode != "graph-sync"))
         results = {}
         for ctx in args.contexts:
             prompts = build_contexts(engine, ctx, max(args.batches), seed=ctx)
@@ -217,8 +220,8 @@ def run(args: argparse.Namespace, fp8: bool, eager: bool, layers: int, pages: in
                 profile_steps(engine, prompts[: args.profile_batch], args.profile / f"profile-{layers}l-{ctx}.txt")
             for batch in args.batches:
                 results[(ctx, batch)] = measure(engine, prompts[:batch])
-                logger.info("%s %s %d layers ctx %d B %d: %.2f ms", "fp8" if fp8 else "bf16",
-                            "eager" if eager else "graph", layers, ctx, batch, results[(ctx, batch)].step_ms)
+                logger.info("%s %s %d layers ctx %d B %d: %.2f ms", "fp8" if fp8 else "bf16", mode, layers, ctx,
+                            batch, results[(ctx, batch)].step_ms)
         engine.shutdown()
         del engine
         torch.cuda.empty_cache()
@@ -230,7 +233,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[8100, 65400])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--formats", nargs="+", default=["fp8", "bf16"])
-    parser.add_argument("--modes", nargs="+", default=["graph", "eager"], choices=["graph", "eager"])
+    parser.add_argument("--modes", nargs="+", default=["graph", "graph-sync", "eager"],
+                        choices=["graph", "graph-sync", "eager"])
     parser.add_argument("--depths", type=int, nargs=2, default=[4, 8])
     parser.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens of the prefill")
     parser.add_argument("--pool-gib", type=float, default=60.0, help="KV pool of the engine")
@@ -245,11 +249,11 @@ def main() -> None:
     print(f"HBM copy {gbs:.0f} GB/s, bf16 dense matmul {tflops:.0f} TFLOP/s", flush=True)
     rows = []
     for name, mode in [(name, mode) for name in args.formats for mode in args.modes]:
-        fp8, eager = name == "fp8", mode == "eager"
+        fp8 = name == "fp8"
         shallow, deep = args.depths
         layout = KVLayout.for_model(ModelConfig.from_dict(rank_config(deep, fp8)), "fp8")
         pages = int(args.pool_gib * 2**30 // layout.page_bytes)
-        t_shallow, t_deep = run(args, fp8, eager, shallow, pages), run(args, fp8, eager, deep, pages)
+        t_shallow, t_deep = run(args, fp8, mode, shallow, pages), run(args, fp8, mode, deep, pages)
         cfg = ModelConfig.from_dict(rank_config(deep, fp8))
         fmt = WeightFormat("fp8" if fp8 else "dense")
         for (ctx, batch), deep_m in t_deep.items():
@@ -269,10 +273,10 @@ def main() -> None:
             if args.out:
                 with args.out.open("a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
-    print(f"\n{'w':4} {'mode':5} {'ctx':>6} {'B':>4} {'t4':>7} {'t8':>7} {'layer':>7} {'fixed':>7} {'dev/l':>7} {'exp':>5} "
+    print(f"\n{'w':4} {'mode':10} {'ctx':>6} {'B':>4} {'t4':>7} {'t8':>7} {'layer':>7} {'fixed':>7} {'dev/l':>7} {'exp':>5} "
           f"{'floorB':>7} {'floorF':>7} {'x-fl':>6} {'x-dev':>6} {'step78':>8} {'fl78':>7} {'x78':>6}")
     for r in rows:
-        print(f"{r['weights']:4} {r['mode']:5} {r['ctx']:>6} {r['B']:>4} {r['t_shallow_ms']:7.2f} {r['t_deep_ms']:7.2f} "
+        print(f"{r['weights']:4} {r['mode']:10} {r['ctx']:>6} {r['B']:>4} {r['t_shallow_ms']:7.2f} {r['t_deep_ms']:7.2f} "
               f"{r['per_layer_ms']:7.3f} {r['fixed_ms']:7.2f} {r['device_layer_ms']:7.3f} {r['experts']:5.0f} "
               f"{r['floor_bytes_ms']:7.3f} {r['floor_flops_ms']:7.3f} {r['x_floor']:6.1f} {r['x_floor_device']:6.1f} "
               f"{r['step78_ms']:8.1f} {r['floor78_ms']:7.2f} {r['x_floor78']:6.1f}")

@@ -51,6 +51,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="how ranks run when --tensor-parallel-size > 1: processes or Ray actors")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run decode steps eagerly: no persistent buffers, no CUDA graphs")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="read each step's tokens before scheduling the next (no host/device overlap)")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -75,6 +77,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         executor=args.executor,
         enforce_eager=args.enforce_eager,
+        async_scheduling=not args.no_async_scheduling,
     )
 
 

@@ -49,6 +49,11 @@ class EngineConfig:
     # Decode steps run eagerly from each step's own tensors instead of through persistent buffers and
     # captured CUDA graphs (engine/rank/decode_graphs.py).
     enforce_eager: bool = False
+    # The host schedules and prepares step N+1 while the device runs step N, and reads N's tokens after
+    # launching N+1 (inputs the host has not read come from the device). A request that stops at N has
+    # one discarded row in N+1. Off (and with tensor_parallel_size > 1): every step is read back before
+    # the next is scheduled.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):

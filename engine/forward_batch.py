@@ -107,3 +107,9 @@ class ForwardBatch:
         per_page = self.indexer_tokens_per_page
         pages = self.indexer_page_table[req, pos // per_page]
         return pages * per_page + pos % per_page
+
+
+def with_previous_tokens(input_ids: torch.Tensor, prev_rows: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
+    """input_ids [T] with row t replaced by the previous step's sampled token number `prev_rows[t]` where
+    that is >= 0: a token the host has not read yet (asynchronous scheduling). Device operations only."""
+    return torch.where(prev_rows >= 0, last_tokens[prev_rows.clamp(min=0)], input_ids)

@@ -180,9 +180,10 @@ class KVCacheManager:
 
         Hashes are kept even with the prefix cache off: they name host copies. Pages registered by an
         earlier step are skipped (a decode step registers at most one new page, not the whole context),
-        from the first page that was host-only at its registration on (it registers once back).
+        from the first page that was host-only at its registration on (it registers once back). A page
+        whose last token was sampled by a step still running registers at the next call.
         """
-        computed = req.num_computed_tokens
+        computed = min(req.num_computed_tokens, req.num_known_tokens)  # a pending token's id is not known yet
         full = computed // self.page_size
         if len(req.page_hashes) < full:
             req.page_hashes += chain_hashes(req.all_token_ids[: full * self.page_size], self.page_size, req.page_hashes)

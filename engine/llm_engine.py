@@ -24,7 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.executors.executor import make_executor
+from engine.executors.executor import PendingOutput, make_executor
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_layout import KVLayout
 from engine.memory_plan import GIB, MemoryBudget, num_gpu_pages, request_footprint
@@ -120,6 +120,8 @@ class LLMEngine:
         self._text: dict[str, _TextState] = {}
         self._seed_counter = config.seed
         self.num_steps = 0
+        self._in_flight: tuple[PendingOutput, list[Request]] | None = None  # launched, outputs not yet read
+        self.async_scheduling = config.async_scheduling and self.executor.overlaps_steps
 
     def _plan_gpu_pages(self) -> int:
         """Pool size: on a GPU what `gpu_memory_utilization` leaves after the loaded weights and the
@@ -205,24 +207,46 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests wait, run, or have a token in a launched step not yet read."""
+        in_flight = self._in_flight is not None and not all(r.is_finished for r in self._in_flight[1])
+        return self.scheduler.has_unfinished() or in_flight
 
     # --- stepping -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedules and launches one step, and returns the outputs of the step launched before it
+        (`async_scheduling`: the host prepares a step while the device runs the previous one) or of this
+        one. A request the previous step finished may already be in this step: its row is discarded."""
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
-        completing = [s.request for s in out.scheduled if s.completes]
-        sampling = SamplingBatch.build(
-            [r.params for r in completing], [self._text[r.request_id].seed for r in completing],
-            [len(r.output_token_ids) for r in completing], self.model_config.vocab_size,
-        )
-        tokens = self.runner.execute(out.scheduled, sampling)
-        self.scheduler.after_step(out)
-        self.num_steps += 1
-        self._record_states()
-        return [self._complete(req, token) for req, token in zip(completing, tokens)]
+        launched = None
+        if out.scheduled:
+            completing = [s.request for s in out.scheduled if s.completes]
+            sampling = SamplingBatch.build(
+                [r.params for r in completing], [self._text[r.request_id].seed for r in completing],
+                [r.num_output_positions for r in completing], self.model_config.vocab_size,
+            )
+            launched = (self.runner.launch(out.scheduled, sampling), completing)
+            for req in completing:
+                req.num_pending_tokens += 1
+            self.scheduler.after_step(out)
+            self.num_steps += 1
+            self._record_states()
+        if not self.async_scheduling:
+            return self._finish(launched) if launched is not None else []
+        previous, self._in_flight = self._in_flight, launched
+        return self._finish(previous) if previous is not None else []
+
+    def _finish(self, launched: tuple[PendingOutput, list[Request]]) -> list[RequestOutput]:
+        """Reads a launched step's tokens and appends them (stop conditions, text)."""
+        pending, completing = launched
+        tokens = self.runner.collect(pending)
+        outputs = []
+        for req, token in zip(completing, tokens):
+            if req.is_finished:  # ended (stop, abort) while this step ran: its token is discarded
+                continue
+            req.num_pending_tokens -= 1
+            outputs.append(self._complete(req, token))
+        return outputs
 
     def _complete(self, req: Request, token: int) -> RequestOutput:
         """Appends `req`'s token (stop conditions, text); a failure here ends `req` alone, not the step."""
@@ -289,7 +313,7 @@ class LLMEngine:
             if at >= 0:
                 state.text, state.stop_hit = state.text[:at], True
                 return FinishReason.STOP
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        if len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

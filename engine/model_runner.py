@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.executors.executor import Executor
+from engine.executors.executor import Executor, PendingOutput
 from engine.kv_layout import KVLayout
 from engine.rank.step import NonResidentSpec, StepInput
-from engine.request import Request
+from engine.request import PENDING, Request
 from engine.sampler import SamplingBatch
 from engine.scheduler import ScheduledRequest
 from residency.manager import ResidencyManager
@@ -27,6 +27,7 @@ class ModelRunner:
         self.executor, self.layout = executor, layout
         self.residency: ResidencyManager | None = None  # set by the engine when a host tier exists
         self.num_steps = 0
+        self._last_sampled: dict[str, int] = {}  # request id -> its row among the last launched step's samples
 
     @property
     def kv_pool(self) -> torch.Tensor:
@@ -36,6 +37,7 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledRequest], sampling: SamplingBatch) -> StepInput:
         self.num_steps += 1
         ids: list[int] = []
+        prev_rows: list[int] = []
         positions: list[int] = []
         req_of_row: list[int] = []
         row_ranges: list[tuple[int, int]] = []
@@ -45,7 +47,12 @@ class ModelRunner:
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
             row_ranges.append((len(ids), len(ids) + s.num_new_tokens))
-            ids += req.token_ids(start, end)
+            chunk = req.token_ids(start, end)
+            if req.num_pending_tokens:
+                prev_rows += [-1 if t != PENDING else self._last_sampled[req.request_id] for t in chunk]
+            else:
+                prev_rows += [-1] * len(chunk)
+            ids += chunk
             positions += range(start, end)
             req_of_row += [b] * s.num_new_tokens
             ctx_lens.append(end)
@@ -72,15 +79,28 @@ class ModelRunner:
             nonresident={b: _nonresident(r) for b, r in enumerate(reqs) if r.hot is not None},
             step=self.num_steps,
             sampling=sampling,
+            prev_rows=torch.tensor(prev_rows, dtype=torch.long) if PENDING in ids else None,
         )
 
-    def execute(self, scheduled: list[ScheduledRequest], sampling: SamplingBatch) -> list[int]:
-        """Runs one step on every rank; returns the token sampled for each request whose chunk completes
-        (`sampling` has one row for each, in order)."""
-        out = self.executor.execute_model(self.prepare(scheduled, sampling))
+    def launch(self, scheduled: list[ScheduledRequest], sampling: SamplingBatch) -> PendingOutput:
+        """Queues one step on every rank (`collect` reads it); `sampling` has one row for each request whose
+        chunk completes, in order. Inputs sampled by the step launched before and not yet read are taken
+        from the ranks' devices."""
+        pending = self.executor.launch_model(self.prepare(scheduled, sampling))
+        completing = [s.request.request_id for s in scheduled if s.completes]
+        self._last_sampled = {rid: i for i, rid in enumerate(completing)}
+        return pending
+
+    def collect(self, pending: PendingOutput) -> list[int]:
+        """The token sampled for each completing request of a launched step, once the ranks have it."""
+        out = pending.output()
         if self.residency is not None:
             self.residency.record_resolves(out.resolve)
         return out.tokens
+
+    def execute(self, scheduled: list[ScheduledRequest], sampling: SamplingBatch) -> list[int]:
+        """`launch` and `collect`: one step, start to finish."""
+        return self.collect(self.launch(scheduled, sampling))
 
 
 def _nonresident(req: Request) -> NonResidentSpec:

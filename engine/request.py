@@ -16,6 +16,8 @@ from residency.hot_buffer import HotLease
 # Temperatures below this sample greedily: the distribution is one-hot to float32 precision there, and
 # dividing by a subnormal temperature overflows (vLLM uses the same bound).
 MIN_TEMPERATURE = 1e-5
+# Stands for a token a running step has sampled and the host has not read yet (asynchronous scheduling).
+PENDING = -1
 
 
 class InvalidRequestError(ValueError):
@@ -86,20 +88,25 @@ class Request:
     hot: HotLease | None = None  # hot rows while some pages are host-only
     page_hashes: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0  # MLA pages below this index are in the prefix cache (kv_cache_manager.py)
+    num_pending_tokens: int = 0  # sampled by a step still running (asynchronous scheduling), ids not yet read
     num_preemptions: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Every token, with `PENDING` for each sampled one not yet read back."""
+        return self.prompt_token_ids + self.output_token_ids + [PENDING] * self.num_pending_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) without building the whole sequence (a decode step reads one)."""
-        n = len(self.prompt_token_ids)
+        """Tokens [start, end) without building the whole sequence (a decode step reads one); `PENDING`
+        past the known ones."""
+        n, known = len(self.prompt_token_ids), self.num_known_tokens
         if start >= n:
-            return self.output_token_ids[start - n : end - n]
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+            out = self.output_token_ids[start - n : end - n]
+        elif end <= n:
+            out = self.prompt_token_ids[start:end]
+        else:
+            out = self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+        return out + [PENDING] * (min(end, self.num_tokens) - max(start, known))
 
     def pages_replaced_from(self, index: int) -> None:
         """GPU pages from `index` on were replaced (promoted, swapped in, reattached): they register again."""
@@ -107,7 +114,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the request holds, those sampled by a step still running included."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows: the prompt and the outputs read back."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_positions(self) -> int:
+        """Output tokens sampled so far, pending ones included: the draw position of the next."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

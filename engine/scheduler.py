@@ -100,6 +100,12 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.free(req)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
+        req.num_pending_tokens = 0  # a running step's token for it is discarded
+
+    def _done_by_length(self, req: Request) -> bool:
+        """Its last token is sampled (pending: asynchronous scheduling); it ends when that is read."""
+        outputs = len(req.output_token_ids) + req.num_pending_tokens
+        return outputs >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -109,6 +115,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._done_by_length(req):
+                i += 1
+                continue
             num_new = self._chunk(req, budget)
             if self._grow(req, req.num_computed_tokens + num_new):
                 out.scheduled.append(ScheduledRequest(req, num_new))
@@ -147,6 +156,8 @@ class Scheduler:
         residency = self.kv.residency
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
+            if self._done_by_length(req):
+                break
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             total = req.num_computed_tokens + num_new
             growth = max(-(-total // self.kv.page_size) - len(req.mla_pages), 0)
@@ -182,6 +193,8 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if self._done_by_length(req):
+                break
             hit = self.kv.match_prefix(req)
             req.num_computed_tokens = hit
             if req.num_preemptions == 0:
@@ -201,6 +214,8 @@ class Scheduler:
     def after_step(self, out: SchedulerOutput) -> None:
         """Advances computed counts, registers newly full pages, mirrors them when residency asks."""
         for s in out.scheduled:
+            if s.request.is_finished:
+                continue
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_pages(s.request)
         residency = self.kv.residency

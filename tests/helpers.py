@@ -79,19 +79,19 @@ class LogitsRecorder:
     def __init__(self, engine: LLMEngine) -> None:
         self.rows: dict[str, list[torch.Tensor]] = {}
         runner, worker = engine.runner, engine.executor.worker
-        execute, sample_logits = runner.execute, worker.sample_logits
+        launch, sample_logits = runner.launch, worker.sample_logits
         step_ids: list[str] = []
 
-        def recording_execute(scheduled, sampling):  # noqa: ANN001, ANN202
+        def recording_launch(scheduled, sampling):  # noqa: ANN001, ANN202
             step_ids[:] = [s.request.request_id for s in scheduled if s.completes]
-            return execute(scheduled, sampling)
+            return launch(scheduled, sampling)
 
         def recording_sample(logits, sampling):  # noqa: ANN001, ANN202
             for rid, row in zip(step_ids, logits):
                 self.rows.setdefault(rid, []).append(row.clone())
             return sample_logits(logits, sampling)
 
-        runner.execute, worker.sample_logits = recording_execute, recording_sample
+        runner.launch, worker.sample_logits = recording_launch, recording_sample
 
     def of(self, request_id: str) -> torch.Tensor:
         return torch.stack(self.rows[request_id])

@@ -124,7 +124,7 @@ def test_a_failing_forward_ends_the_loop(engine: AsyncEngine) -> None:
     def broken(scheduled: list, sampling: object) -> None:
         raise RuntimeError("device lost")
 
-    engine.engine.runner.execute = broken
+    engine.engine.runner.launch = broken
 
     async def run() -> list:
         return await asyncio.gather(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -47,6 +48,22 @@ class EventTicket(CopyTicket):
             self.event.synchronize()
 
 
+class PendingOutput(Protocol):
+    """A step's output once the ranks have it."""
+
+    def output(self) -> StepOutput: ...
+
+
+class DoneOutput:
+    """An output already complete."""
+
+    def __init__(self, out: StepOutput) -> None:
+        self._out = out
+
+    def output(self) -> StepOutput:
+        return self._out
+
+
 class Executor(ABC):
     """The replica's ranks as the driver sees them; residency uses the page and lease half
     (`PoolExecutor` in residency/manager.py), the model runner `execute_model`."""
@@ -68,6 +85,17 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, step: StepInput) -> StepOutput: ...
+
+    def launch_model(self, step: StepInput) -> PendingOutput:
+        """Queues `step`; its output is read later (`output()`), after the driver prepared the next step.
+        Here the step runs to completion first; executors whose ranks queue work override this."""
+        return DoneOutput(self.execute_model(step))
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether a step may be launched before the previous one's tokens are read: every rank then takes
+        those inputs from its own device, which only the sampling rank has (one rank per replica)."""
+        return False
 
     @abstractmethod
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket: ...
@@ -148,6 +176,13 @@ class LocalExecutor(Executor):
 
     def execute_model(self, step: StepInput) -> StepOutput:
         return self.worker.execute_model(step)
+
+    def launch_model(self, step: StepInput) -> PendingOutput:
+        return self.worker.launch_model(step)
+
+    @property
+    def overlaps_steps(self) -> bool:
+        return True
 
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket:
         return EventTicket(self.worker.mirror_pages(gpu_ids, host_ids))

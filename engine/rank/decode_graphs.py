@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention_ops import AttentionOps
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, with_previous_tokens
 from engine.kv_layout import KVLayout
 from engine.model import GlmMoeDsaForCausalLM
 from engine.rank.rank_residency import DecodeLeases, RankResidency
@@ -144,7 +144,8 @@ class DecodeGraphs:
         rows, pages, idx_pages = self.batch_sizes[-1], self._pages(self.widths[-1]), self._indexer_pages(self.widths[-1])
         groups = len(layout.group_sizes)
         self.buffers = _Buffers({
-            "input_ids": (rows, torch.long), "positions": (rows, torch.long), "context_lens": (rows, torch.long),
+            "input_ids": (rows, torch.long), "prev_rows": (rows, torch.long), "positions": (rows, torch.long),
+            "context_lens": (rows, torch.long),
             "mla_write_slots": (rows, torch.long), "indexer_write_slots": (rows, torch.long),
             "mla_page_table": (rows * pages, torch.long), "indexer_page_table": (rows * idx_pages, torch.long),
             "inv_temperature": (rows, torch.float32), "greedy": (rows, torch.bool), "top_k": (rows, torch.long),
@@ -191,7 +192,7 @@ class DecodeGraphs:
             return
         for rows in reversed(self.batch_sizes):
             key = GraphKey(rows, self.widths[0], False, "greedy")
-            batch = self._fill(key, None, residency)
+            batch = self._fill(key, None, residency, None)
             self._forward(batch, key)  # compiles every kernel of the shape; writes only the scratch page
             self._capture(key, batch)
         logger.info("captured %d decode graphs (batch sizes %s, width %d)", len(self.batch_sizes),
@@ -199,11 +200,13 @@ class DecodeGraphs:
 
     # --- running a step -----------------------------------------------------------------
 
-    def launch(self, key: GraphKey, step: StepInput, residency: RankResidency | None) -> torch.Tensor | None:
+    def launch(self, key: GraphKey, step: StepInput, residency: RankResidency | None,
+               last_tokens: torch.Tensor) -> torch.Tensor | None:
         """Runs decode `step` as `key`: replays its graph, or runs eagerly through the same buffers and
-        captures the graph after (on a GPU). Returns the sampling rank's token ids [key.rows] on the
-        device, padding rows last; the host has not waited for them."""
-        batch = self._fill(key, step, residency)
+        captures the graph after (on a GPU). Inputs the host has not read come from `last_tokens`, the
+        previous step's sampled ids. Returns the sampling rank's token ids [key.rows] on the device,
+        padding rows last; the host has not waited for them."""
+        batch = self._fill(key, step, residency, last_tokens)
         self.steps_run[key] += 1
         captured = self._graphs.get(key)
         if captured is not None:
@@ -240,7 +243,8 @@ class DecodeGraphs:
         return SamplingBatch(view("inv_temperature", n), view("greedy", n), view("top_k", n), view("top_p", n),
                              view("keys", n), key.sampler)
 
-    def _fill(self, key: GraphKey, step: StepInput | None, residency: RankResidency | None) -> ForwardBatch:
+    def _fill(self, key: GraphKey, step: StepInput | None, residency: RankResidency | None,
+              last_tokens: torch.Tensor | None) -> ForwardBatch:
         """Stages `step` (None: padding only) into the buffers as `key` and returns the key's batch."""
         buffers, rows = self.buffers, key.rows
         page, per_page = self.layout.page_size, self.layout.indexer_tokens_per_page
@@ -250,6 +254,10 @@ class DecodeGraphs:
         buffers.begin()
         put = buffers.put
         put("input_ids", (rows,), 0, None if step is None else step.input_ids)
+        if step is not None and step.prev_rows is not None:
+            put("prev_rows", (rows,), -1, step.prev_rows)
+            ids = buffers.view("input_ids", rows)
+            ids.copy_(with_previous_tokens(ids, buffers.view("prev_rows", rows), last_tokens))
         put("positions", (rows,), 0, None if step is None else step.positions)
         put("context_lens", (rows,), 1, None if step is None else torch.tensor(step.context_lens))
         for name, per in (("mla_write_slots", page), ("indexer_write_slots", per_page)):

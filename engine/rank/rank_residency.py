@@ -230,6 +230,17 @@ class RankResidency:
 
     def take_counts(self) -> ResolveCounts:
         """The resolve counts since the last call (one device read)."""
-        lookups, misses, miss_bytes = self._tally.tolist()
+        return counts_of(self.counts_into(torch.empty(3, dtype=torch.long)).tolist())
+
+    def counts_into(self, host: torch.Tensor) -> torch.Tensor:
+        """Queues a copy of the counts since the last call into `host` [3] (pinned: the host need not wait
+        for it now) and restarts them; read `host` with `counts_of` once the copy is done."""
+        host.copy_(self._tally, non_blocking=True)
         self._tally.zero_()
-        return ResolveCounts(lookups - misses, misses, miss_bytes)
+        return host
+
+
+def counts_of(tally: list[int]) -> ResolveCounts:
+    """`ResolveCounts` from a tally [lookups of host-only rows, misses, miss bytes]."""
+    lookups, misses, miss_bytes = tally
+    return ResolveCounts(lookups - misses, misses, miss_bytes)

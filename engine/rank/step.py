@@ -47,6 +47,9 @@ class StepInput:
     nonresident: dict[int, NonResidentSpec]  # batch index -> page tables of a request with host-only pages
     step: int  # LRU stamp of this step (grows every step)
     sampling: SamplingBatch  # one row per entry of logits_rows
+    # [T] int64: for a row whose input the previous step sampled and the host has not read, that token's
+    # number among the previous step's sampled rows (its id is on the device); -1 elsewhere. None: all known.
+    prev_rows: torch.Tensor | None = None
 
     @property
     def num_requests(self) -> int:

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention_ops import AttentionOps, TorchAttentionOps
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, with_previous_tokens
 from engine.kv_layout import KVFormat, KVLayout
 from engine.linear import WeightFormat
 from engine.model import build_model
 from engine.model_config import ModelConfig
 from engine.rank.decode_graphs import DecodeGraphs, GraphConfig
-from engine.rank.rank_residency import RankResidency
+from engine.rank.rank_residency import RankResidency, counts_of
 from engine.rank.step import StepInput, StepOutput
 from engine.sampler import SamplingBatch, sample
 from engine.tp.tensor_parallel import TensorParallel
@@ -50,6 +50,29 @@ class WorkerSpec:
     graphs: GraphConfig = GraphConfig()  # how decode steps run
 
 
+@dataclass
+class _Staging:
+    """Pinned host buffers one step's results are copied into."""
+
+    tokens: torch.Tensor  # [max rows] int64
+    counts: torch.Tensor  # [3] int64 resolve tally
+
+
+class LaunchedStep:
+    """A step a rank has queued; `output` waits for it (only for it: later steps may be queued behind)."""
+
+    def __init__(self, staging: _Staging, num_tokens: int | None, has_counts: bool,
+                 event: torch.cuda.Event | None) -> None:
+        self._staging, self._num_tokens, self._has_counts, self._event = staging, num_tokens, has_counts, event
+
+    def output(self) -> StepOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        tokens = None if self._num_tokens is None else self._staging.tokens[: self._num_tokens].tolist()
+        counts = counts_of(self._staging.counts.tolist()) if self._has_counts else ResolveCounts()
+        return StepOutput(tokens, counts)
+
+
 class Worker:
     def __init__(self, spec: WorkerSpec, rank: int, device: torch.device) -> None:
         self.rank, self.device = rank, device
@@ -71,6 +94,12 @@ class Worker:
         self.residency: RankResidency | None = None  # set when the replica has a host tier
         self.graph_config = spec.graphs
         self.graphs: DecodeGraphs | None = None  # set with the pool unless enforce_eager
+        rows, pin = spec.graphs.max_batch, device.type == "cuda"
+        self.last_tokens = torch.zeros(rows, dtype=torch.long, device=device)  # the last step's sampled ids
+        # Two sets: a step's results are read after the next step is queued, before the one after.
+        self._staging = [_Staging(torch.zeros(rows, dtype=torch.long, pin_memory=pin),
+                                  torch.zeros(3, dtype=torch.long, pin_memory=pin)) for _ in range(2)]
+        self.num_launched = 0
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of this rank's GPU after its weights; (0, 0) off the GPU."""
@@ -100,22 +129,41 @@ class Worker:
         self.residency.warm_up(self.index_topk)
 
     def execute_model(self, step: StepInput) -> StepOutput:
+        return self.launch_model(step).output()
+
+    def launch_model(self, step: StepInput) -> LaunchedStep:
+        """Queues `step` on the device and returns at once: its token ids (on the sampling rank) and resolve
+        counts are copied to pinned host memory behind it, so the host can prepare the next step while this
+        one runs. Each step's sampled ids also stay on the device (`last_tokens`), where the next step
+        reads the inputs the host has not seen yet (`StepInput.prev_rows`)."""
         self._after_mirrors()
         key = self.graphs.key_for(step) if self.graphs is not None else None
         if key is not None:
-            out = self.graphs.launch(key, step, self.residency)
-            tokens = None if out is None else out[: step.num_requests].tolist()
+            tokens = self.graphs.launch(key, step, self.residency, self.last_tokens)
         else:
             tokens = self._eager(step)
-        counts = self.residency.take_counts() if self.residency is not None else ResolveCounts()
-        return StepOutput(tokens, counts)
+        staging = self._staging[self.num_launched % len(self._staging)]
+        self.num_launched += 1
+        n = step.num_logits
+        if tokens is not None:
+            self.last_tokens[:n].copy_(tokens[:n])
+            staging.tokens[:n].copy_(tokens[:n], non_blocking=True)
+        if self.residency is not None:
+            self.residency.counts_into(staging.counts)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return LaunchedStep(staging, None if tokens is None else n, self.residency is not None, event)
 
-    def _eager(self, step: StepInput) -> list[int] | None:
+    def _eager(self, step: StepInput) -> torch.Tensor | None:
         batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
+        if step.prev_rows is not None:
+            batch.input_ids = with_previous_tokens(batch.input_ids, step.prev_rows.to(self.device), self.last_tokens)
         hidden = self.model.hidden_states(batch, self.kv_pool, self.layout, self.ops)
         if self.rank != 0:
             return None
-        return self.sample_logits(self.model.logits(hidden), step.sampling.to(self.device)).tolist()
+        return self.sample_logits(self.model.logits(hidden), step.sampling.to(self.device))
 
     def sample_logits(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
         """The token ids of `logits` [S, V] (a method, so a test can watch the logits of an eager or an
