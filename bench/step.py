@@ -31,6 +31,7 @@ same run is printed beside it. Usage: python bench/step.py [--contexts 8192 6553
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import statistics
@@ -224,6 +225,7 @@ def run(args: argparse.Namespace, fp8: bool, mode: str, layers: int, pages: int)
                             batch, results[(ctx, batch)].step_ms)
         engine.shutdown()
         del engine
+        gc.collect()
         torch.cuda.empty_cache()
         return results
 

@@ -218,7 +218,7 @@ class LocalExecutor(Executor):
         return None
 
     def shutdown(self) -> None:
-        return None
+        self.worker.close()
 
 
 # Multi-process executors by name; imported on use, so Ray is needed only where it is used.

@@ -171,8 +171,10 @@ class Worker:
         return sample(logits, sampling)
 
     def close(self) -> None:
+        """Drops the decode graphs (and with them the graphs' hold on this worker and its pool)."""
         if self.graphs is not None:
             self.graphs.close()
+            self.graphs = None
 
     # --- residency, as the driver decided it -------------------------------------------
 

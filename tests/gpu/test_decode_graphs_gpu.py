@@ -37,12 +37,12 @@ def _checked_replays(engine) -> list[GraphKey]:  # noqa: ANN001
     graphs = engine.executor.worker.graphs
     launch, replayed = graphs.launch, []
 
-    def checked(key, step, residency):  # noqa: ANN001, ANN202
+    def checked(key, step, *rest):  # noqa: ANN001, ANN002, ANN202
         if not graphs.is_captured(key):
-            return launch(key, step, residency)
+            return launch(key, step, *rest)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            out = launch(key, step, residency)
+            out = launch(key, step, *rest)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         replayed.append(key)
