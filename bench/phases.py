@@ -38,7 +38,7 @@ from engine.attention_ops import TorchAttentionOps  # noqa: E402
 from engine.forward_batch import ForwardBatch  # noqa: E402
 from engine.layers import MoE  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
-from engine.rank.rank_residency import RankResidency  # noqa: E402
+from residency.rank import RankResidency  # noqa: E402
 from engine.rank.worker import Worker  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from residency.manager import ResidencyManager  # noqa: E402

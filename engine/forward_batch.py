@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv_layout import KVLayout
-from engine.rank.rank_residency import DecodeLeases, RankResidency
-from engine.rank.step import NonResidentSpec, StepInput
+from engine.rank.step import StepInput
+from residency.rank import DecodeLeases, NonResidentSpec, RankResidency
 
 
 @dataclass

@@ -89,6 +89,11 @@ class KVLayout:
         """Bytes of one token's rows for all layers of each group (one miss)."""
         return tuple(n * self.mla_row_bytes for n in self.group_sizes)
 
+    @property
+    def group_offsets(self) -> tuple[int, ...]:
+        """Byte offset of each group's block inside a page."""
+        return tuple(self.group_offset(g) for g in range(len(self.group_sizes)))
+
     def group_offset(self, group: int) -> int:
         """Byte offset of a group's block inside a page."""
         return self.page_size * self.mla_row_bytes * sum(self.group_sizes[:group])

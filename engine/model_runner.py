@@ -15,11 +15,12 @@ import torch
 
 from engine.executors.executor import Executor, PendingOutput
 from engine.kv_layout import KVLayout
-from engine.rank.step import NonResidentSpec, StepInput
+from engine.rank.step import StepInput
 from engine.request import PENDING, Request
 from engine.sampler import SamplingBatch
 from engine.scheduler import ScheduledRequest
 from residency.manager import ResidencyManager
+from residency.rank import NonResidentSpec
 
 
 class ModelRunner:

@@ -13,11 +13,14 @@ import torch
 
 from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
-from engine.rank import rank_residency
-from engine.rank.rank_residency import RankResidency
-from engine.rank.step import NonResidentSpec
+from residency import rank as rank_residency
+from residency.rank import NonResidentSpec, RankResidency
 
 PAGE = 64
+
+
+def _rank_residency(layout: KVLayout, pool: torch.Tensor, host: torch.Tensor) -> RankResidency:
+    return RankResidency(layout.group_offsets, layout.group_run_bytes, pool, host)
 
 
 def group_runs(pool: torch.Tensor, layout: KVLayout, group: int) -> torch.Tensor:
@@ -37,7 +40,7 @@ def test_extend_rows_read_the_host_bytes_of_their_selection(tiny_dir: Path, piec
     gpu_pages = torch.tensor([-1, 3, -1, -1, 5, -1, -1, -1, 7, 8], dtype=torch.int32)  # tail resident
     host_pages = torch.tensor([15, 2, 9, 4, 0, 11, 6, 13, 1, 3], dtype=torch.int32)
     host_only = [p for p in range(num_tokens) if gpu_pages[p // PAGE] < 0]
-    residency = RankResidency(layout, pool, host)
+    residency = _rank_residency(layout, pool, host)
     residency.open_lease("r", [16, 17, 18, 19, 20, 21, 22, 23][: -(-len(host_only) // PAGE)], num_tokens)
     spec = NonResidentSpec("r", gpu_pages, host_pages, num_tokens)
 
@@ -85,7 +88,7 @@ def test_a_resized_lease_keeps_the_rows_of_the_slots_that_stay(tiny_dir: Path) -
     host_only = [p for p in range(num_tokens) if gpu_pages[p // PAGE] < 0]
     order = torch.randperm(len(host_only), generator=gen).tolist()
     held_before, extend_rows = [host_only[i] for i in order[:100]], [host_only[i] for i in order[100:250]]
-    residency = RankResidency(layout, pool, host)
+    residency = _rank_residency(layout, pool, host)
     spec = NonResidentSpec("r", gpu_pages, host_pages, num_tokens)
     groups = len(layout.group_sizes)
 

@@ -39,10 +39,10 @@ from engine.attention_ops import AttentionOps
 from engine.forward_batch import ForwardBatch, with_previous_tokens
 from engine.kv_layout import KVLayout
 from engine.model import GlmMoeDsaForCausalLM
-from engine.rank.rank_residency import DecodeLeases, RankResidency
-from engine.rank.step import NonResidentSpec, StepInput
+from engine.rank.step import StepInput
 from engine.sampler import SamplerMode, SamplingBatch
 from kernels.resolve import LEASE_WIDTH
+from residency.rank import DecodeLeases, NonResidentSpec, RankResidency
 
 logger = logging.getLogger(__name__)
 

@@ -16,17 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampler import SamplingBatch
+from residency.rank import NonResidentSpec
 from residency.stats import ResolveCounts
-
-
-@dataclass(frozen=True)
-class NonResidentSpec:
-    """A request with host-only pages: where each of its logical MLA pages lives."""
-
-    request_id: str  # names the request's hot-buffer tables on each rank
-    gpu_pages: torch.Tensor  # [P] int32 GPU page per logical page, -1 where host-only
-    host_pages: torch.Tensor  # [P] int32 host page per logical page, -1 where none
-    num_tokens: int  # tokens the request holds after this step (reverse maps must cover them)
 
 
 @dataclass(frozen=True)

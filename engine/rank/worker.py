@@ -25,12 +25,12 @@ from engine.linear import WeightFormat
 from engine.model import build_model
 from engine.model_config import ModelConfig
 from engine.rank.decode_graphs import DecodeGraphs, GraphConfig
-from engine.rank.rank_residency import RankResidency, counts_of
 from engine.rank.step import StepInput, StepOutput
 from engine.sampler import SamplingBatch, sample
 from engine.tp.tensor_parallel import TensorParallel
 from engine.triton_ops import TritonAttentionOps
 from engine.weights import load_weights, random_init
+from residency.rank import RankResidency, counts_of
 from residency.stats import ResolveCounts
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Worker:
         self.graphs.capture_common(self.residency)
 
     def attach_host_pool(self, host: torch.Tensor) -> None:
-        self.residency = RankResidency(self.layout, self.kv_pool, host)
+        self.residency = RankResidency(self.layout.group_offsets, self.layout.group_run_bytes, self.kv_pool, host)
         self.residency.warm_up(self.index_topk)
 
     def execute_model(self, step: StepInput) -> StepOutput:

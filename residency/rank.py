@@ -21,8 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv_layout import KVLayout
-from engine.rank.step import NonResidentSpec
 from kernels import page_mirror, resolve
 from kernels.resolve import LeaseState
 from residency.hot_buffer import PAGE_SIZE, HotTables
@@ -32,6 +30,16 @@ from residency.stats import ResolveCounts
 _UNION_PIECE = 4096
 # The dtypes of `HotTables`' stamps and reverse maps, which every lease table row points at.
 _STAMP_DTYPE, _MAP_DTYPE = torch.int64, torch.int32
+
+
+@dataclass(frozen=True)
+class NonResidentSpec:
+    """A request with host-only pages: where each of its logical MLA pages lives."""
+
+    request_id: str  # names the request's hot-buffer tables on each rank
+    gpu_pages: torch.Tensor  # [P] int32 GPU page per logical page, -1 where host-only
+    host_pages: torch.Tensor  # [P] int32 host page per logical page, -1 where none
+    num_tokens: int  # tokens the request holds after this step (reverse maps must cover them)
 
 
 @dataclass
@@ -48,11 +56,13 @@ class DecodeLeases:
 
 
 class RankResidency:
-    def __init__(self, layout: KVLayout, pool: torch.Tensor, host: torch.Tensor) -> None:
+    def __init__(self, group_offsets: Sequence[int], group_run_bytes: Sequence[int], pool: torch.Tensor,
+                 host: torch.Tensor) -> None:
+        """`group_offsets` / `group_run_bytes`: per IndexShare group, where its block starts in a page and
+        the bytes of one token's rows in it (a miss copies one such run); the pool's layout says them."""
         self.pool, self.host = pool, host
-        self.num_groups = len(layout.group_sizes)
-        self.group_offsets = tuple(layout.group_offset(g) for g in range(self.num_groups))
-        self.group_run_bytes = layout.group_run_bytes
+        self.num_groups = len(group_offsets)
+        self.group_offsets, self.group_run_bytes = tuple(group_offsets), tuple(group_run_bytes)
         self.tables: dict[str, HotTables] = {}
         # [lookups of host-only rows, misses, miss bytes] since the last read; added to in place (by captured
         # graphs too), read once per step
