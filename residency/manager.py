@@ -56,6 +56,7 @@ class ResidencyManager:
         self.indexer_tokens_per_page = indexer_tokens_per_page
         self.stats = ResidencyStats()
         self._pending: list[_PendingMirror] = []
+        self._last_ticket: CopyTicket | None = None  # of the last mirror issued
         # Host copies of pages still being written: (request id, page index) -> host page.
         self._partial: dict[tuple[str, int], int] = {}
         # Per request, (MLA pages, indexer pages) at its start that all have host copies: the
@@ -94,7 +95,10 @@ class ResidencyManager:
         for req, first, end in steps:
             self.align(req)
             completing: list[tuple[PageUse, int, int, bytes]] = []
-            for i in range(first // PAGE_SIZE, -(-end // PAGE_SIZE)):
+            start = first // PAGE_SIZE
+            if start and (req.request_id, start - 1) in self._partial:
+                start -= 1  # completed before its hash was known (its last token was pending): publish now
+            for i in range(start, -(-end // PAGE_SIZE)):
                 gpu_page = req.mla_pages[i]
                 if gpu_page is None or req.host_pages[i] is not None:
                     continue
@@ -122,9 +126,10 @@ class ResidencyManager:
         if whole:
             ticket = self.executor.mirror_pages([w[0] for w in whole], [w[1] for w in whole])
             self.stats.pages_mirrored += len(whole)
+        self._last_ticket = ticket or self._last_ticket
         for pending in self._pending:
-            if pending.ticket is None:
-                pending.ticket = ticket
+            if pending.ticket is None:  # a page whose rows were all copied by earlier steps: the last copy
+                pending.ticket = self._last_ticket
         self.poll()
 
     def _catch_up(self, requests: list[PagedRequest], whole: list[tuple[int, int]]) -> None:

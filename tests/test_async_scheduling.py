@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.request import SamplingParams
+from residency.config import HiSparseConfig
 from tests.helpers import assert_pages_released, greedy, make_engine
 
 
@@ -58,3 +59,21 @@ def test_async_scheduling_gives_the_outputs_of_stepping_in_turn(tiny_dir: Path) 
     assert sync["eos"][2] == "stop" and sync["stop"][2] == "stop" and sync["length"][2] == "length"
     assert len(sync["length"][0]) == 7 and "aborted" not in sync
     assert not any(sync_launches) and sum(launches) >= 20  # decode inputs came from the device
+
+
+def test_async_scheduling_moves_the_same_pages_under_pressure(tiny_dir: Path) -> None:
+    """Hybrid under pressure: the same tokens, and the same mirrors, demotions and misses (a page whose last
+    token was still pending when it completed is published once its hash is known, not copied again)."""
+    prompts = [_prompt(n, 30 + n) for n in (250, 240, 230)]
+    runs = []
+    for async_scheduling in (False, True):
+        engine = make_engine(tiny_dir, num_gpu_pages=16, enable_prefix_cache=False, async_scheduling=async_scheduling,
+                             hisparse=HiSparseConfig(policy="hybrid", host_pool_gib=0.05))
+        outs = engine.generate(prompts, [greedy(80)] * len(prompts))
+        stats = engine.stats()
+        runs.append(([o.token_ids for o in outs],
+                     {k: stats[k] for k in ("pages_mirrored", "rows_mirrored", "pages_demoted", "pages_promoted",
+                                            "hot_misses", "bytes_h2d")}))
+        assert_pages_released(engine)
+        assert engine.residency.host.num_in_use() == 0
+    assert runs[0] == runs[1] and runs[0][1]["pages_demoted"] > 0
