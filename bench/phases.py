@@ -41,19 +41,22 @@ from engine.model_runner import ModelRunner  # noqa: E402
 from residency.rank import RankResidency  # noqa: E402
 from engine.rank.worker import Worker  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
+from residency.hot_leases import HotLeases  # noqa: E402
 from residency.manager import ResidencyManager  # noqa: E402
+from residency.mirroring import Mirroring  # noqa: E402
 
 TIMED: list[tuple[type, tuple[str, ...]]] = [
     (Scheduler, ("schedule", "after_step")),
-    (Worker, ("execute_model",)),
+    (Worker, ("launch_model",)),
     (ForwardBatch, ("from_step",)),
     (MoE, ("forward",)),
     (Indexer, ("forward",)),
     (triton_ops.TritonAttentionOps, ("indexer_topk", "sparse_mla")),
     (TorchAttentionOps, ("indexer_topk", "sparse_mla")),
-    (RankResidency, ("resolve_rows", "resolve_decode", "load", "mirror", "mirror_rows", "take_counts")),
-    (ResidencyManager, ("mirror_step", "demote", "promote", "poll", "swap_in", "swap_out", "size_hot_for",
-                        "lease_hot", "return_hot")),
+    (RankResidency, ("resolve_rows", "resolve_decode", "load", "mirror", "mirror_rows", "counts_into")),
+    (ResidencyManager, ("demote", "promote", "swap_in", "swap_out")),
+    (Mirroring, ("mirror_step", "poll")),
+    (HotLeases, ("size_for", "lease", "release")),
 ]
 
 

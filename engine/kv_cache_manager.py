@@ -148,7 +148,7 @@ class KVCacheManager:
         idx_found = idx_found[: (len(req.mla_pages) + len(found)) // per_idx - len(req.indexer_pages)]
         copies = sum(1 for gpu, _ in idx_found if gpu is None)
         revived = self.cache.revival_cost([gpu for gpu, _ in idx_found if gpu is not None])
-        if not found or copies + revived + self.residency.hot_pages_per_lease > self.cache.num_available:
+        if not found or copies + revived + self.residency.hot.pages_per_lease > self.cache.num_available:
             return
         for _, hp in found:
             host.cache.acquire(hp)
@@ -163,7 +163,7 @@ class KVCacheManager:
                 loads.append((hp, gpu))
             req.indexer_pages.append(gpu)
         self.residency.load_pages([hp for hp, _ in loads], [gpu for _, gpu in loads])
-        self.residency.lease_hot(req)
+        self.residency.hot.lease(req)
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grows `req` to hold `num_tokens` tokens; False (nothing taken) if pages are short."""

@@ -178,7 +178,7 @@ class LLMEngine:
         indexer pages, tail, hot buffer and one prefill chunk; its completed pages live on host."""
         if self.residency is None or not self.config.hisparse.traits.runs_from_host:
             return False
-        fp = request_footprint(self.layout, num_tokens, "hybrid", self.residency.hot_rows)
+        fp = request_footprint(self.layout, num_tokens, "hybrid", self.residency.hot.hot_rows)
         chunk = min(self.config.max_num_batched_tokens, self.scheduler.max_chunk_tokens)
         gpu = fp.gpu_pages + -(-chunk // self.layout.page_size)
         return gpu <= self.kv.pool.num_pages and fp.host_pages <= self.residency.host.num_pages
@@ -352,7 +352,7 @@ class LLMEngine:
             host = self.residency.host
             residency = dict(vars(self.residency.stats))
             residency.update(mirror_backlog=self.residency.mirror_backlog, host_pages=host.num_pages, host_pages_in_use=host.num_in_use(),
-                             host_pages_cached=host.cache.num_cached, hot_rows=self.residency.hot_rows)
+                             host_pages_cached=host.cache.num_cached, hot_rows=self.residency.hot.hot_rows)
         return {
             "policy": self.config.hisparse.policy,
             "requests_by_state": self.state_counter.summary(),

@@ -147,8 +147,8 @@ class Scheduler:
         num_new = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk_tokens)
         if req.hot is not None:
             spare = self.kv.num_available - self.kv.pages_needed(req, req.num_computed_tokens + num_new)
-            self.kv.residency.size_hot_for(req, num_new, spare)
-            num_new = min(num_new, self.kv.residency.rows_per_step(req))
+            self.kv.residency.hot.size_for(req, num_new, spare)
+            num_new = min(num_new, self.kv.residency.hot.rows_per_step(req))
         return num_new
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
@@ -220,5 +220,6 @@ class Scheduler:
             self.kv.cache_full_pages(s.request)
         residency = self.kv.residency
         if residency is not None and residency.config.traits.mirrors_ahead:
-            residency.mirror_step([(s.request, s.request.num_computed_tokens - s.num_new_tokens,
-                                    s.request.num_computed_tokens) for s in out.scheduled if not s.request.is_finished])
+            residency.mirroring.mirror_step([(s.request, s.request.num_computed_tokens - s.num_new_tokens,
+                                              s.request.num_computed_tokens)
+                                             for s in out.scheduled if not s.request.is_finished])

@@ -1,4 +1,5 @@
-"""Residency of each request's pages: mirroring, demotion, promotion, swapping, hot rows.
+"""Residency of each request's pages: demotion, promotion, swapping, hot rows; mirroring
+(residency/mirroring.py) runs under it.
 
 Mechanism only; the pressure policies (policies.py) decide when to use it.
 A request's page table maps each logical MLA page to a GPU page, a host page,
@@ -19,22 +20,16 @@ hot-buffer LRU tables, keyed by request id, opened and closed here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from residency.config import HiSparseConfig
-from residency.hot_buffer import PAGE_SIZE, HotLease
+from residency.hot_buffer import PAGE_SIZE
+from residency.hot_leases import HotLeases
 from residency.host_pool import HostPool
-from residency.interfaces import CopyTicket, PagedRequest, PoolExecutor
+from residency.interfaces import PagedRequest, PoolExecutor
+from residency.mirroring import Mirroring, align, set_host
 from residency.page_pool import PageUse
 from residency.prefix_cache import PrefixCache
 from residency.stats import ResidencyStats, ResolveCounts
-
-
-@dataclass
-class _PendingMirror:
-    request: PagedRequest
-    entries: list[tuple[PageUse, int, int, bytes]]  # (use, logical index, host page, hash)
-    ticket: CopyTicket | None
 
 
 class ResidencyManager:
@@ -50,18 +45,10 @@ class ResidencyManager:
         self.config = config
         self.gpu_cache, self.executor, self.host = gpu_cache, executor, host
         self.page_bytes = host.data.shape[1]
-        self.index_topk = index_topk
-        self.hot_rows = config.hot_rows_for(index_topk)
-        self.hot_pages_per_lease = self.hot_rows // PAGE_SIZE
+        self.hot = HotLeases(gpu_cache, executor, index_topk, config.hot_rows_for(index_topk))
         self.indexer_tokens_per_page = indexer_tokens_per_page
         self.stats = ResidencyStats()
-        self._pending: list[_PendingMirror] = []
-        self._last_ticket: CopyTicket | None = None  # of the last mirror issued
-        # Host copies of pages still being written: (request id, page index) -> host page.
-        self._partial: dict[tuple[str, int], int] = {}
-        # Per request, (MLA pages, indexer pages) at its start that all have host copies: the
-        # catch-up scan starts there, so a step costs the new pages, not the whole context.
-        self._mirrored_prefix: dict[str, tuple[int, int]] = {}
+        self.mirroring = Mirroring(executor, host, self.stats, indexer_tokens_per_page)
         # Indexer pages of parked requests live in the host pool within their own budget.
         self.offload_budget_pages = int(config.offload_pool_gib * 2**30) // self.page_bytes
         self.parked_indexer_pages = 0
@@ -75,135 +62,11 @@ class ResidencyManager:
             return "full"
         return "none" if completed.count(None) == len(completed) else "mixed"
 
-    @staticmethod
-    def align(req: PagedRequest) -> None:
-        """Keeps the host tables as long as the GPU tables."""
-        req.host_pages += [None] * (len(req.mla_pages) - len(req.host_pages))
-        req.host_indexer_pages += [None] * (len(req.indexer_pages) - len(req.host_indexer_pages))
-
-    # --- proactive mirroring -------------------------------------------------------
-
-    def mirror_step(self, steps: list[tuple[PagedRequest, int, int]]) -> None:
-        """Mirrors what a forward wrote: for each (request, first, end) the rows of tokens
-        [first, end) of every layer go to the host copy of their page, one launch for all; a page
-        whose host copy starts now is copied whole once. A page that completes with its host copy
-        becomes demotable (and findable by its hash) as soon as the copy is done, with nothing
-        left to copy on the critical path."""
-        self.poll()
-        whole: list[tuple[int, int]] = []
-        rows: list[tuple[int, int, int]] = []
-        for req, first, end in steps:
-            self.align(req)
-            completing: list[tuple[PageUse, int, int, bytes]] = []
-            start = first // PAGE_SIZE
-            if start and (req.request_id, start - 1) in self._partial:
-                start -= 1  # completed before its hash was known (its last token was pending): publish now
-            for i in range(start, -(-end // PAGE_SIZE)):
-                gpu_page = req.mla_pages[i]
-                if gpu_page is None or req.host_pages[i] is not None:
-                    continue
-                host_page = self._partial.get((req.request_id, i))
-                if host_page is None:
-                    if self.host.cache.num_available == 0:
-                        self.stats.mirror_skipped_host_full += 1
-                        continue
-                    [host_page] = self.host.cache.allocate(1, PageUse.MLA)
-                    self._partial[(req.request_id, i)] = host_page
-                    whole.append((gpu_page, host_page))
-                else:
-                    rows += [(gpu_page, host_page, t % PAGE_SIZE)
-                             for t in range(max(first, i * PAGE_SIZE), min(end, (i + 1) * PAGE_SIZE))]
-                if i < end // PAGE_SIZE and i < len(req.page_hashes):  # complete now: publish once copied
-                    del self._partial[(req.request_id, i)]
-                    completing.append((PageUse.MLA, i, host_page, req.page_hashes[i]))
-            if completing:
-                self._pending.append(_PendingMirror(req, completing, None))
-        self._catch_up([req for req, _, _ in steps], whole)
-        ticket = None  # of the last copy issued: the others are done no later (rows are copied in order)
-        if rows:
-            ticket = self.executor.mirror_rows(*zip(*rows))
-            self.stats.rows_mirrored += len(rows)
-        if whole:
-            ticket = self.executor.mirror_pages([w[0] for w in whole], [w[1] for w in whole])
-            self.stats.pages_mirrored += len(whole)
-        self._last_ticket = ticket or self._last_ticket
-        for pending in self._pending:
-            if pending.ticket is None:  # a page whose rows were all copied by earlier steps: the last copy
-                pending.ticket = self._last_ticket
-        self.poll()
-
-    def _catch_up(self, requests: list[PagedRequest], whole: list[tuple[int, int]]) -> None:
-        """Completed pages with no host copy yet (reused from the GPU prefix cache, completed indexer
-        pages, pages the host pool was too full for) join `whole`, or share a host page that already
-        holds the same prefix."""
-        in_flight = {(id(p.request), e[0], e[1]) for p in self._pending for e in p.entries}
-        for req in requests:
-            entries: list[tuple[PageUse, int, int, bytes]] = []
-            for use, index, gpu_page, key in self._mirror_candidates(req):
-                if (id(req), use, index) in in_flight:
-                    continue
-                cached = self.host.cache.lookup(use, key)
-                if cached is not None:  # the same prefix is already on host: share it
-                    self.host.cache.acquire(cached)
-                    self._set_host(req, use, index, cached)
-                    continue
-                if self.host.cache.num_available == 0:
-                    self.stats.mirror_skipped_host_full += 1
-                    continue
-                [host_page] = self.host.cache.allocate(1, use)
-                entries.append((use, index, host_page, key))
-                whole.append((gpu_page, host_page))
-            if entries:
-                self._pending.append(_PendingMirror(req, entries, None))
-
-    def _mirror_candidates(self, req: PagedRequest):  # noqa: ANN202 - iterator of tuples
-        completed = min(req.num_computed_tokens // PAGE_SIZE, len(req.page_hashes))
-        completed_idx = req.num_computed_tokens // self.indexer_tokens_per_page
-        mla_from, idx_from = self._mirrored_prefix.get(req.request_id, (0, 0))
-        while mla_from < completed and req.host_pages[mla_from] is not None:
-            mla_from += 1
-        while idx_from < completed_idx and req.host_indexer_pages[idx_from] is not None:
-            idx_from += 1
-        self._mirrored_prefix[req.request_id] = (mla_from, idx_from)
-        for i in range(mla_from, completed):
-            if req.host_pages[i] is None and req.mla_pages[i] is not None:
-                yield PageUse.MLA, i, req.mla_pages[i], req.page_hashes[i]
-        per_idx = self.indexer_tokens_per_page // PAGE_SIZE
-        for j in range(idx_from, completed_idx):
-            if req.host_indexer_pages[j] is None and (j + 1) * per_idx <= len(req.page_hashes):
-                yield PageUse.INDEXER, j, req.indexer_pages[j], req.page_hashes[(j + 1) * per_idx - 1]
+    align = staticmethod(align)
 
     @property
     def mirror_backlog(self) -> int:
-        """Completed pages whose host copy is still in flight (not yet demotable)."""
-        return sum(len(p.entries) for p in self._pending)
-
-    def host_copy_of(self, req: PagedRequest, index: int) -> int | None:
-        """The host page mirroring MLA page `index` of `req`, complete or still being written."""
-        if index < len(req.host_pages) and req.host_pages[index] is not None:
-            return req.host_pages[index]
-        return self._partial.get((req.request_id, index))
-
-    @staticmethod
-    def _set_host(req: PagedRequest, use: PageUse, index: int, host_page: int) -> None:
-        if use is PageUse.MLA:
-            req.host_pages[index] = host_page
-        else:
-            req.host_indexer_pages[index] = host_page
-
-    def poll(self, wait: bool = False) -> None:
-        """Completes finished mirrors: their host copies become usable and findable."""
-        still: list[_PendingMirror] = []
-        for pending in self._pending:
-            if pending.ticket is not None and not wait and not pending.ticket.done():
-                still.append(pending)
-                continue
-            if pending.ticket is not None:
-                pending.ticket.wait()
-            for use, index, host_page, key in pending.entries:
-                self._set_host(pending.request, use, index, host_page)
-                self.host.cache.insert(host_page, use, key)
-        self._pending = still
+        return self.mirroring.backlog
 
     # --- demotion and promotion ----------------------------------------------------
 
@@ -218,7 +81,7 @@ class ResidencyManager:
 
     def demotion_gain(self, req: PagedRequest) -> int:
         """GPU pages a demotion of `req` would free, net of the hot buffer it must lease."""
-        lease = 0 if req.hot is not None else self.hot_pages_per_lease
+        lease = 0 if req.hot is not None else self.hot.pages_per_lease
         return len(self.demotable(req)) - lease
 
     def demote(self, req: PagedRequest) -> int:
@@ -229,47 +92,9 @@ class ResidencyManager:
         for i in pages:
             self.gpu_cache.release(req.mla_pages[i])
             req.mla_pages[i] = None
-        leased = 0 if req.hot is not None else self.lease_hot(req)
+        leased = 0 if req.hot is not None else self.hot.lease(req)
         self.stats.pages_demoted += len(pages)
         return len(pages) - leased
-
-    @staticmethod
-    def host_only_tokens(req: PagedRequest) -> int:
-        return PAGE_SIZE * sum(1 for p in req.mla_pages if p is None)
-
-    def rows_per_step(self, req: PagedRequest) -> int:
-        """Query rows `req` may compute in one step with its hot buffer: every miss of the step needs
-        a slot no earlier row of the step used, and a step misses each host-only token at most once."""
-        rows = req.hot.num_rows if req.hot is not None else 0
-        if rows >= self.host_only_tokens(req):
-            return 1 << 30
-        return max(1, rows // self.index_topk)
-
-    def size_hot_for(self, req: PagedRequest, rows: int, spare_pages: int) -> None:
-        """Fits the hot buffer of a request with host-only pages to `rows` query rows per step: an
-        extend grows it (with at most `spare_pages` free pages) so a turn's new tokens take few
-        steps; back at one row it returns to the configured size. The slots of the pages that stay
-        keep their rows, so the decode after an extend finds the rows it held before."""
-        if req.hot is None:
-            return
-        want_rows = min(rows * self.index_topk, self.host_only_tokens(req))
-        want = max(self.hot_pages_per_lease, -(-want_rows // PAGE_SIZE))
-        have = list(req.hot.pages)
-        if want > len(have):
-            have += self.gpu_cache.allocate(min(want - len(have), max(spare_pages, 0)), PageUse.HOT)
-        else:
-            for page in have[want:]:
-                self.gpu_cache.release(page)
-            have = have[:want]
-        if len(have) != len(req.hot.pages):
-            req.hot = HotLease(tuple(have))
-            self.executor.resize_lease(req.request_id, have, req.num_tokens + PAGE_SIZE)
-
-    def lease_hot(self, req: PagedRequest) -> int:
-        pages = self.gpu_cache.allocate(self.hot_pages_per_lease, PageUse.HOT)
-        req.hot = HotLease(tuple(pages))
-        self.executor.open_lease(req.request_id, pages, req.num_tokens + PAGE_SIZE)
-        return len(pages)
 
     def promotion_cost(self, req: PagedRequest) -> int:
         return sum(1 for p in req.mla_pages if p is None)
@@ -286,7 +111,7 @@ class ResidencyManager:
                 req.mla_pages[i] = page
             req.pages_replaced_from(missing[0])
             self.stats.pages_promoted += len(missing)
-        self.return_hot(req)
+        self.hot.release(req)
         return True
 
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
@@ -295,13 +120,6 @@ class ResidencyManager:
             return
         self.executor.load_pages(host_ids, gpu_ids)
         self.stats.bytes_h2d += len(gpu_ids) * self.page_bytes
-
-    def return_hot(self, req: PagedRequest) -> None:
-        if req.hot is not None:
-            for page in req.hot.pages:
-                self.gpu_cache.release(page)
-            req.hot = None
-            self.executor.close_lease(req.request_id)
 
     # --- whole-request swap (the offload baseline) ----------------------------------
 
@@ -313,9 +131,7 @@ class ResidencyManager:
         separate `offload_pool_gib` budget).
         """
         self.align(req)
-        self.poll(wait=True)
-        for key in [k for k in self._partial if k[0] == req.request_id]:  # current up to the last step
-            req.host_pages[key[1]] = self._partial.pop(key)
+        self.mirroring.take_partial(req)
         todo = [(PageUse.MLA, i, p) for i, p in enumerate(req.mla_pages) if req.host_pages[i] is None]
         todo += [(PageUse.INDEXER, j, p) for j, p in enumerate(req.indexer_pages) if req.host_indexer_pages[j] is None]
         indexer = sum(1 for use, _, _ in todo if use is PageUse.INDEXER)
@@ -325,11 +141,11 @@ class ResidencyManager:
         if todo:
             self.executor.mirror_pages([t[2] for t in todo], host_ids).wait()
         for (use, index, _), host_page in zip(todo, host_ids):
-            self._set_host(req, use, index, host_page)
+            set_host(req, use, index, host_page)
         moved = [p for p in req.mla_pages + req.indexer_pages if p is not None]
         for page in moved:
             self.gpu_cache.release(page)
-        self.return_hot(req)
+        self.hot.release(req)
         self.stats.pages_swapped_out += len(moved)
         self.parked_indexer_pages += len(req.host_indexer_pages) if self.config.traits.runs_from_host else 0
         req.mla_pages = [None] * len(req.mla_pages)
@@ -352,7 +168,7 @@ class ResidencyManager:
 
     def swap_in_cost(self, req: PagedRequest) -> int:
         mla, indexer = self._resume_pages(req)
-        hot = self.hot_pages_per_lease if self.config.traits.runs_from_host and len(mla) < len(req.host_pages) else 0
+        hot = self.hot.pages_per_lease if self.config.traits.runs_from_host and len(mla) < len(req.host_pages) else 0
         return len(mla) + len(indexer) + hot
 
     def swap_in(self, req: PagedRequest) -> bool:
@@ -361,7 +177,7 @@ class ResidencyManager:
         if need > self.gpu_cache.num_available:
             return False
         mla_idx, idx_idx = self._resume_pages(req)
-        self._mirrored_prefix.pop(req.request_id, None)  # host copies are dropped below
+        self.mirroring.restart(req)  # host copies are dropped below
         mla = self.gpu_cache.allocate(len(mla_idx), PageUse.MLA)
         idx = self.gpu_cache.allocate(len(idx_idx), PageUse.INDEXER)
         self.load_pages([req.host_pages[i] for i in mla_idx] + list(req.host_indexer_pages), mla + idx)
@@ -383,7 +199,7 @@ class ResidencyManager:
                     self.host.cache.release(req.host_pages[i])
                     req.host_pages[i] = None
         elif any(p is None for p in req.mla_pages[:completed]):
-            self.lease_hot(req)
+            self.hot.lease(req)
         self.stats.pages_swapped_in += len(mla) + len(idx)
         return True
 
@@ -400,16 +216,12 @@ class ResidencyManager:
 
     def release(self, req: PagedRequest) -> None:
         """Drops `req`'s host pages and hot buffer (its GPU pages are the engine's to release)."""
-        if any(p.request is req for p in self._pending):
-            self.poll(wait=True)
-        for key in [k for k in self._partial if k[0] == req.request_id]:
-            self.host.cache.release(self._partial.pop(key))
+        self.mirroring.forget(req)
         for page in req.host_pages + req.host_indexer_pages:
             if page is not None:
                 self.host.cache.release(page)
         req.host_pages, req.host_indexer_pages = [], []
-        self._mirrored_prefix.pop(req.request_id, None)
-        self.return_hot(req)
+        self.hot.release(req)
 
     def check_integrity(self) -> None:
         self.host.check_integrity()

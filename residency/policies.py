@@ -70,7 +70,7 @@ class HybridPolicy:
     def make_room(self, scheduler: SchedulerView, needed: int, requester: PagedRequest) -> bool:
         freed = self._demote(scheduler, needed)
         if freed == 0:  # mirrors still in flight: waiting for them costs less than a recompute
-            self.residency.poll(wait=True)
+            self.residency.mirroring.poll(wait=True)
             freed = self._demote(scheduler, needed)
         if freed > 0:
             return True

@@ -259,7 +259,7 @@ def test_new_rows_are_mirrored_after_every_forward(tiny_dir: Path) -> None:
             break
         computed = req.num_computed_tokens
         for i, gpu_page in enumerate(req.mla_pages):
-            host_page = residency.host_copy_of(req, i)
+            host_page = residency.mirroring.host_copy_of(req, i)
             assert host_page is not None, f"page {i} has no host copy"
             tokens = slice(0, min(computed - i * 64, 64))
             for layer in range(layout.num_layers):

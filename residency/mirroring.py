@@ -1,0 +1,194 @@
+"""Proactive mirroring: every forward's new rows go to the host copy of their page right after it.
+
+Under `hybrid` (policies whose traits mirror ahead) a page's host copy is built while the page is written:
+the page's first rows start a whole-page copy into a fresh host page, later rows are copied row by row,
+and a page that completes becomes demotable, and findable in the host prefix cache by its hash, as soon
+as its copies are done (`poll`). Pages that complete without a copy (reused from the GPU prefix cache,
+indexer pages, pages the host pool was too full for) are caught up whole. Copies are issued through the
+`PoolExecutor` (one rank writes the shared host pool) on a side stream; a ticket says when they are done,
+and a later ticket covers every earlier copy.
+
+Two steps of a copy's life: `mirror_step` prepares and issues the copies of what a forward wrote;
+`poll` completes the finished ones. With asynchronous scheduling a page can complete while its last
+token is still pending (its hash unknown): it is published at the next step, with the last copy's ticket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from residency.hot_buffer import PAGE_SIZE
+from residency.host_pool import HostPool
+from residency.interfaces import CopyTicket, PagedRequest, PoolExecutor
+from residency.page_pool import PageUse
+from residency.stats import ResidencyStats
+
+
+@dataclass
+class _PendingMirror:
+    request: PagedRequest
+    entries: list[tuple[PageUse, int, int, bytes]]  # (use, logical index, host page, hash)
+    ticket: CopyTicket | None
+
+
+def align(req: PagedRequest) -> None:
+    """Keeps the host tables as long as the GPU tables."""
+    req.host_pages += [None] * (len(req.mla_pages) - len(req.host_pages))
+    req.host_indexer_pages += [None] * (len(req.indexer_pages) - len(req.host_indexer_pages))
+
+
+def set_host(req: PagedRequest, use: PageUse, index: int, host_page: int) -> None:
+    if use is PageUse.MLA:
+        req.host_pages[index] = host_page
+    else:
+        req.host_indexer_pages[index] = host_page
+
+
+class Mirroring:
+    """Host copies of running requests' pages, built as the pages are written."""
+
+    def __init__(self, executor: PoolExecutor, host: HostPool, stats: ResidencyStats,
+                 indexer_tokens_per_page: int) -> None:
+        self.executor, self.host, self.stats = executor, host, stats
+        self.indexer_tokens_per_page = indexer_tokens_per_page
+        self._pending: list[_PendingMirror] = []
+        self._last_ticket: CopyTicket | None = None  # of the last mirror issued
+        # Host copies of pages still being written: (request id, page index) -> host page.
+        self._partial: dict[tuple[str, int], int] = {}
+        # Per request, (MLA pages, indexer pages) at its start that all have host copies: the
+        # catch-up scan starts there, so a step costs the new pages, not the whole context.
+        self._mirrored_prefix: dict[str, tuple[int, int]] = {}
+
+    def mirror_step(self, steps: list[tuple[PagedRequest, int, int]]) -> None:
+        """Mirrors what a forward wrote: for each (request, first, end) the rows of tokens
+        [first, end) of every layer go to the host copy of their page, one launch for all; a page
+        whose host copy starts now is copied whole once. A page that completes with its host copy
+        becomes demotable (and findable by its hash) as soon as the copy is done, with nothing
+        left to copy on the critical path."""
+        self.poll()
+        whole: list[tuple[int, int]] = []
+        rows: list[tuple[int, int, int]] = []
+        for req, first, end in steps:
+            align(req)
+            completing: list[tuple[PageUse, int, int, bytes]] = []
+            start = first // PAGE_SIZE
+            if start and (req.request_id, start - 1) in self._partial:
+                start -= 1  # completed before its hash was known (its last token was pending): publish now
+            for i in range(start, -(-end // PAGE_SIZE)):
+                gpu_page = req.mla_pages[i]
+                if gpu_page is None or req.host_pages[i] is not None:
+                    continue
+                host_page = self._partial.get((req.request_id, i))
+                if host_page is None:
+                    if self.host.cache.num_available == 0:
+                        self.stats.mirror_skipped_host_full += 1
+                        continue
+                    [host_page] = self.host.cache.allocate(1, PageUse.MLA)
+                    self._partial[(req.request_id, i)] = host_page
+                    whole.append((gpu_page, host_page))
+                else:
+                    rows += [(gpu_page, host_page, t % PAGE_SIZE)
+                             for t in range(max(first, i * PAGE_SIZE), min(end, (i + 1) * PAGE_SIZE))]
+                if i < end // PAGE_SIZE and i < len(req.page_hashes):  # complete now: publish once copied
+                    del self._partial[(req.request_id, i)]
+                    completing.append((PageUse.MLA, i, host_page, req.page_hashes[i]))
+            if completing:
+                self._pending.append(_PendingMirror(req, completing, None))
+        self._catch_up([req for req, _, _ in steps], whole)
+        ticket = None  # of the last copy issued: the others are done no later (rows are copied in order)
+        if rows:
+            ticket = self.executor.mirror_rows(*zip(*rows))
+            self.stats.rows_mirrored += len(rows)
+        if whole:
+            ticket = self.executor.mirror_pages([w[0] for w in whole], [w[1] for w in whole])
+            self.stats.pages_mirrored += len(whole)
+        self._last_ticket = ticket or self._last_ticket
+        for pending in self._pending:
+            if pending.ticket is None:  # a page whose rows were all copied by earlier steps: the last copy
+                pending.ticket = self._last_ticket
+        self.poll()
+
+    def _catch_up(self, requests: list[PagedRequest], whole: list[tuple[int, int]]) -> None:
+        """Completed pages with no host copy yet (reused from the GPU prefix cache, completed indexer
+        pages, pages the host pool was too full for) join `whole`, or share a host page that already
+        holds the same prefix."""
+        in_flight = {(id(p.request), e[0], e[1]) for p in self._pending for e in p.entries}
+        for req in requests:
+            entries: list[tuple[PageUse, int, int, bytes]] = []
+            for use, index, gpu_page, key in self._mirror_candidates(req):
+                if (id(req), use, index) in in_flight:
+                    continue
+                cached = self.host.cache.lookup(use, key)
+                if cached is not None:  # the same prefix is already on host: share it
+                    self.host.cache.acquire(cached)
+                    set_host(req, use, index, cached)
+                    continue
+                if self.host.cache.num_available == 0:
+                    self.stats.mirror_skipped_host_full += 1
+                    continue
+                [host_page] = self.host.cache.allocate(1, use)
+                entries.append((use, index, host_page, key))
+                whole.append((gpu_page, host_page))
+            if entries:
+                self._pending.append(_PendingMirror(req, entries, None))
+
+    def _mirror_candidates(self, req: PagedRequest):  # noqa: ANN202 - iterator of tuples
+        completed = min(req.num_computed_tokens // PAGE_SIZE, len(req.page_hashes))
+        completed_idx = req.num_computed_tokens // self.indexer_tokens_per_page
+        mla_from, idx_from = self._mirrored_prefix.get(req.request_id, (0, 0))
+        while mla_from < completed and req.host_pages[mla_from] is not None:
+            mla_from += 1
+        while idx_from < completed_idx and req.host_indexer_pages[idx_from] is not None:
+            idx_from += 1
+        self._mirrored_prefix[req.request_id] = (mla_from, idx_from)
+        for i in range(mla_from, completed):
+            if req.host_pages[i] is None and req.mla_pages[i] is not None:
+                yield PageUse.MLA, i, req.mla_pages[i], req.page_hashes[i]
+        per_idx = self.indexer_tokens_per_page // PAGE_SIZE
+        for j in range(idx_from, completed_idx):
+            if req.host_indexer_pages[j] is None and (j + 1) * per_idx <= len(req.page_hashes):
+                yield PageUse.INDEXER, j, req.indexer_pages[j], req.page_hashes[(j + 1) * per_idx - 1]
+
+    @property
+    def backlog(self) -> int:
+        """Completed pages whose host copy is still in flight (not yet demotable)."""
+        return sum(len(p.entries) for p in self._pending)
+
+    def host_copy_of(self, req: PagedRequest, index: int) -> int | None:
+        """The host page mirroring MLA page `index` of `req`, complete or still being written."""
+        if index < len(req.host_pages) and req.host_pages[index] is not None:
+            return req.host_pages[index]
+        return self._partial.get((req.request_id, index))
+
+    def poll(self, wait: bool = False) -> None:
+        """Completes finished mirrors: their host copies become usable and findable."""
+        still: list[_PendingMirror] = []
+        for pending in self._pending:
+            if pending.ticket is not None and not wait and not pending.ticket.done():
+                still.append(pending)
+                continue
+            if pending.ticket is not None:
+                pending.ticket.wait()
+            for use, index, host_page, key in pending.entries:
+                set_host(pending.request, use, index, host_page)
+                self.host.cache.insert(host_page, use, key)
+        self._pending = still
+
+    def take_partial(self, req: PagedRequest) -> None:
+        """The host copies of `req`'s pages still being written become its host pages (current up to the
+        last step: the request stops running)."""
+        self.poll(wait=True)
+        for key in [k for k in self._partial if k[0] == req.request_id]:
+            req.host_pages[key[1]] = self._partial.pop(key)
+
+    def restart(self, req: PagedRequest) -> None:
+        """`req`'s host copies change wholesale (swap-in): the catch-up scan starts again."""
+        self._mirrored_prefix.pop(req.request_id, None)
+
+    def forget(self, req: PagedRequest) -> None:
+        """Drops what mirroring holds for a released request, once its copies in flight are done."""
+        if any(p.request is req for p in self._pending):
+            self.poll(wait=True)
+        for key in [k for k in self._partial if k[0] == req.request_id]:
+            self.host.cache.release(self._partial.pop(key))
+        self._mirrored_prefix.pop(req.request_id, None)
