@@ -87,8 +87,10 @@ def test_engine_config_takes_the_fields_the_engine_has(tiny_dir: Path) -> None:
     args = _args("tiny.yaml")
     args["model"]["path"] = str(tiny_dir)
     args["engine"]["num_speculative_tokens"] = 3  # applied once the engine has it, logged until then
+    args["engine"].update(enforce_eager=True, async_scheduling=False)
     engine = AppConfig.from_args(args).resolved().engine_config()
     assert engine.num_gpu_pages == 96 and engine.max_model_len == 2048
+    assert engine.enforce_eager and not engine.async_scheduling
     assert engine.hisparse.policy == "hybrid" and engine.hisparse.hot_rows == 64
     assert getattr(engine, "num_speculative_tokens", 3) == 3
 

@@ -41,6 +41,10 @@ def test_generate_matches_engine_and_refuses_bad_ids(tiny_dir: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     first = json.loads(proc.stdout.splitlines()[0])
     assert len(first["token_ids"]) <= 6
+    eager = run_cli("generate", "--model", str(tiny_dir), "--prompt-token-ids", "10,20,30", "--max-tokens", "6",
+                    "--json", "--num-gpu-pages", "16", "--kv-dtype", "fp8", "--enforce-eager", "--no-async-scheduling")
+    assert eager.returncode == 0, eager.stderr
+    assert json.loads(eager.stdout.splitlines()[0])["token_ids"] == first["token_ids"]
     bad = run_cli("generate", "--model", str(tiny_dir), "--prompt-token-ids", "1,2,99999", "--max-tokens", "3",
                   "--json")
     assert bad.returncode == 2
