@@ -51,8 +51,7 @@ class EngineConfig:
     enforce_eager: bool = False
     # The host schedules and prepares step N+1 while the device runs step N, and reads N's tokens after
     # launching N+1 (inputs the host has not read come from the device). A request that stops at N has
-    # one discarded row in N+1. Off (and with tensor_parallel_size > 1): every step is read back before
-    # the next is scheduled.
+    # one discarded row in N+1. Off: every step is read back before the next is scheduled.
     async_scheduling: bool = True
 
     def __post_init__(self) -> None:

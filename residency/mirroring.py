@@ -186,9 +186,13 @@ class Mirroring:
         self._mirrored_prefix.pop(req.request_id, None)
 
     def forget(self, req: PagedRequest) -> None:
-        """Drops what mirroring holds for a released request, once its copies in flight are done."""
+        """Drops what mirroring holds for a released request, once its copies in flight are done (a host
+        page freed while rows are still being copied into it could be handed out and overwritten)."""
         if any(p.request is req for p in self._pending):
             self.poll(wait=True)
-        for key in [k for k in self._partial if k[0] == req.request_id]:
+        partial = [k for k in self._partial if k[0] == req.request_id]
+        if partial and self._last_ticket is not None and not self._last_ticket.done():
+            self._last_ticket.wait()
+        for key in partial:
             self.host.cache.release(self._partial.pop(key))
         self._mirrored_prefix.pop(req.request_id, None)

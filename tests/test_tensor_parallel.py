@@ -88,6 +88,7 @@ def test_split_model_matches_single_rank_under_pressure(
         request.getfixturevalue("ray_cluster")
     engine, got = _run_under_pressure(tiny_dir, policy, tensor_parallel_size=size, executor=executor)
     try:
+        assert engine.async_scheduling  # steps overlap: every rank takes unread inputs from its own device
         assert got == single_rank
         stats = engine.stats()
         if policy == "hybrid":  # pages left the GPU and rows came back through every rank's hot buffer

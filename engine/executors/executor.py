@@ -93,8 +93,8 @@ class Executor(ABC):
 
     @property
     def overlaps_steps(self) -> bool:
-        """Whether a step may be launched before the previous one's tokens are read: every rank then takes
-        those inputs from its own device, which only the sampling rank has (one rank per replica)."""
+        """Whether a step may be launched before the previous one's tokens are read (every rank then takes
+        those inputs from its own device): executors that only run a step to completion say no."""
         return False
 
     @abstractmethod

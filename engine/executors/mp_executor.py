@@ -111,6 +111,13 @@ class MPExecutor(RemoteExecutor):
         self._post(ranks, call, reply=True)
         return self._collect(ranks)
 
+    def _launch(self, ranks: Sequence[int], call: Call) -> list[int]:
+        self._post(ranks, call, reply=True)
+        return list(ranks)
+
+    def _replies(self, token: list[int]) -> list[Any]:
+        return self._collect(token)
+
     def _collect(self, ranks: Sequence[int]) -> list[Any]:
         """One reply per rank of `ranks`; a message from any other rank, or any death, is a failure."""
         results: dict[int, Any] = {}

@@ -112,6 +112,12 @@ class RayExecutor(RemoteExecutor):
     def _post(self, ranks: Sequence[int], call: Call) -> None:
         self._pending += self._submit(ranks, call)
 
+    def _launch(self, ranks: Sequence[int], call: Call) -> list[ray.ObjectRef]:
+        return self._submit(ranks, call)
+
+    def _replies(self, token: list[ray.ObjectRef]) -> list[Any]:
+        return self._await(token)
+
     def _gather(self, ranks: Sequence[int], call: Call) -> list[Any]:
         refs = self._submit(ranks, call)
         earlier, self._pending = self._pending, []

@@ -6,11 +6,15 @@ where the driver waits for them. Everything else is here and shared:
 
 - One-way calls (page loads, mirrors, lease changes) are not waited for; a
   rank that fails on one reports it, and the driver raises at its next wait.
-- `execute_model` waits for every rank; rank 0 answers with the sampled token
-  ids (a few bytes per request), the other ranks with nothing.
+- A step is launched to every rank (`launch_model`) and its replies are read
+  later, after the driver prepared the next step; rank 0 answers with the
+  sampled token ids (a few bytes per request), the other ranks with nothing.
+  Every rank samples the same ids and keeps them on its device for the next
+  step's inputs. Replies are read in the order their calls were sent: a call
+  that waits reads the replies of launched steps first.
 - Mirrors are done by rank 0 on its side stream, overlapping the next step;
   rank 0 finishes them before it answers that step (or a `sync`), so a mirror
-  ticket is done once a later step returned.
+  ticket is done once a step launched (or a sync sent) after it has answered.
 - Host pages are read by every rank (loads; resolves inside a step) but
   written by rank 0 alone (mirrors). A host page the driver freed after a load
   may be reused by a mirror before a slower rank has done that load, so when
@@ -21,12 +25,13 @@ where the driver waits for them. Everything else is here and shared:
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from abc import abstractmethod
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -90,7 +95,7 @@ class RemoteWorker:
 
     def execute_model(self, step: StepInput) -> StepOutput | None:
         out = self.worker.execute_model(step)
-        if out.tokens is None:
+        if self.worker.rank != 0:
             return None
         self.sync()
         return out
@@ -119,10 +124,10 @@ class RemoteWorker:
 
 
 class SyncTicket(CopyTicket):
-    """A copy done by a rank: complete once the driver has waited for the ranks since issuing it."""
+    """A copy done by a rank: complete once a call the ranks answer, sent after it, has been answered."""
 
     def __init__(self, executor: RemoteExecutor, seq: int) -> None:
-        self.executor, self.seq = executor, seq
+        self.executor, self.seq = executor, seq  # answered calls sent before the copy
 
     def done(self) -> bool:
         return self.executor.num_waits > self.seq
@@ -130,6 +135,19 @@ class SyncTicket(CopyTicket):
     def wait(self) -> None:
         if not self.done():
             self.executor.sync()
+
+
+class RemoteStep:
+    """A step launched to every rank; `output` reads the ranks' replies (and those of steps launched
+    before it)."""
+
+    def __init__(self, executor: RemoteExecutor, token: Any) -> None:  # noqa: ANN401 - the transport's
+        self.executor, self.token = executor, token
+        self.replies: list[Any] | None = None
+
+    def output(self) -> StepOutput:
+        self.executor._read_launched(self)
+        return self.replies[0]
 
 
 class RemoteExecutor(Executor):
@@ -143,6 +161,8 @@ class RemoteExecutor(Executor):
         self._loads_since_wait = False
         self._error: WorkerError | None = None
         self._ranks = tuple(range(spec.tp_size))
+        self._num_sent_waits = 0  # calls sent whose answers are read (steps launched, syncs)
+        self._launched: collections.deque[RemoteStep] = collections.deque()  # launched, replies not read
         self._start(spec)
 
     # --- transport (subclasses) -------------------------------------------------------
@@ -160,6 +180,14 @@ class RemoteExecutor(Executor):
         """Sends `call` to `ranks` and returns their replies; raises `WorkerError` if a rank failed."""
 
     @abstractmethod
+    def _launch(self, ranks: Sequence[int], call: Call) -> Any:  # noqa: ANN401 - the transport's
+        """Sends `call` to `ranks`, whose replies are read later by `_replies`; returns what finds them."""
+
+    @abstractmethod
+    def _replies(self, token: Any) -> list[Any]:  # noqa: ANN401
+        """The replies of a `_launch`; raises `WorkerError` if a rank failed."""
+
+    @abstractmethod
     def _stop(self) -> None:
         """Ends the rank processes."""
 
@@ -168,19 +196,36 @@ class RemoteExecutor(Executor):
     def _run(self, ranks: Sequence[int], call: Call, wait: bool) -> list[Any]:
         if self._error is not None:
             raise self._error
+        if wait and self._launched:
+            self._read_launched(self._launched[-1])
         try:
             if not wait:
                 self._post(ranks, call)
                 return []
             replies = self._gather(ranks, call)
         except WorkerError as exc:
-            self._error = exc
-            logger.error("tensor-parallel replica failed: %s", exc)
-            self._stop()
-            raise
+            self._fail(exc)
         if len(ranks) == self.tp_size:  # every rank has read the host pages of earlier loads
             self._loads_since_wait = False
         return replies
+
+    def _fail(self, exc: WorkerError) -> NoReturn:
+        self._error = exc
+        logger.error("tensor-parallel replica failed: %s", exc)
+        self._stop()
+        raise exc
+
+    def _read_launched(self, step: RemoteStep) -> None:
+        """Reads the replies of launched steps, in launch order, up to `step`."""
+        while step.replies is None:
+            if self._error is not None:
+                raise self._error
+            oldest = self._launched.popleft()
+            try:
+                oldest.replies = self._replies(oldest.token)
+            except WorkerError as exc:
+                self._fail(exc)
+            self.num_waits += 1  # rank 0 finished its mirrors before answering
 
     # --- Executor -----------------------------------------------------------------------
 
@@ -199,26 +244,41 @@ class RemoteExecutor(Executor):
         return shared.tensor
 
     def execute_model(self, step: StepInput) -> StepOutput:
-        replies = self._run(self._ranks, ("execute_model", (step,)), wait=True)
-        self.num_waits += 1  # rank 0 finished its mirrors before answering
-        return replies[0]
+        return self.launch_model(step).output()
+
+    def launch_model(self, step: StepInput) -> RemoteStep:
+        if self._error is not None:
+            raise self._error
+        try:
+            launched = RemoteStep(self, self._launch(self._ranks, ("execute_model", (step,))))
+        except WorkerError as exc:
+            self._fail(exc)
+        self._launched.append(launched)
+        self._num_sent_waits += 1
+        self._loads_since_wait = False  # every rank reads earlier loads before the step's collectives
+        return launched
+
+    @property
+    def overlaps_steps(self) -> bool:
+        return True
 
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket:
         if self._loads_since_wait:
             self._run(self._ranks, ("fence", ()), wait=False)
             self._loads_since_wait = False
         self._run((0,), ("mirror_pages", (list(gpu_ids), list(host_ids))), wait=False)
-        return SyncTicket(self, self.num_waits)
+        return SyncTicket(self, self._num_sent_waits)
 
     def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> CopyTicket:
         if self._loads_since_wait:
             self._run(self._ranks, ("fence", ()), wait=False)
             self._loads_since_wait = False
         self._run((0,), ("mirror_rows", (list(gpu_ids), list(host_ids), list(tokens))), wait=False)
-        return SyncTicket(self, self.num_waits)
+        return SyncTicket(self, self._num_sent_waits)
 
     def sync(self) -> None:
         """Waits until every rank has done everything sent so far, rank 0's mirrors included."""
+        self._num_sent_waits += 1
         self._run(self._ranks, ("sync", ()), wait=True)
         self.num_waits += 1
 

@@ -132,9 +132,8 @@ class DecodeGraphs:
     """One rank's decode runner: persistent buffers, graphs per `GraphKey`, the padding around them."""
 
     def __init__(self, config: GraphConfig, model: GlmMoeDsaForCausalLM, layout: KVLayout, ops: AttentionOps,
-                 pool: torch.Tensor, scratch_page: int, sampler: Sampler | None) -> None:
-        """`pool` includes `scratch_page`, which padding rows write and read; `sampler` is given on the rank
-        that returns tokens (None elsewhere)."""
+                 pool: torch.Tensor, scratch_page: int, sampler: Sampler) -> None:
+        """`pool` includes `scratch_page`, which padding rows write and read."""
         self.model, self.layout, self.ops, self.pool = model, layout, ops, pool
         self.scratch_page, self.sampler = scratch_page, sampler
         self.topk = model.cfg.index_topk
@@ -155,7 +154,7 @@ class DecodeGraphs:
         }, pool.device)
         self._arange = torch.arange(rows, device=pool.device)
         self._batches: dict[GraphKey, ForwardBatch] = {}
-        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor | None]] = {}
+        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
         self.steps_run: Counter[GraphKey] = Counter()  # decode steps run through the buffers, by shape
 
@@ -201,11 +200,11 @@ class DecodeGraphs:
     # --- running a step -----------------------------------------------------------------
 
     def launch(self, key: GraphKey, step: StepInput, residency: RankResidency | None,
-               last_tokens: torch.Tensor) -> torch.Tensor | None:
+               last_tokens: torch.Tensor) -> torch.Tensor:
         """Runs decode `step` as `key`: replays its graph, or runs eagerly through the same buffers and
         captures the graph after (on a GPU). Inputs the host has not read come from `last_tokens`, the
-        previous step's sampled ids. Returns the sampling rank's token ids [key.rows] on the device,
-        padding rows last; the host has not waited for them."""
+        previous step's sampled ids. Returns the token ids [key.rows] on the device, padding rows last;
+        the host has not waited for them."""
         batch = self._fill(key, step, residency, last_tokens)
         self.steps_run[key] += 1
         captured = self._graphs.get(key)
@@ -220,10 +219,8 @@ class DecodeGraphs:
             logger.info("captured the decode graph of %s in %.0f ms", key, 1e3 * (time.perf_counter() - start))
         return tokens
 
-    def _forward(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor | None:
+    def _forward(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
         hidden = self.model.hidden_states(batch, self.pool, self.layout, self.ops)
-        if self.sampler is None:
-            return None
         return self.sampler(self.model.logits(hidden), self._sampling(key))
 
     def _capture(self, key: GraphKey, batch: ForwardBatch) -> None:

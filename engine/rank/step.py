@@ -58,8 +58,8 @@ class StepInput:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Rank 0's answer: the sampled token id of each logits row (None on the other ranks) and the
-    resolve counts."""
+    """A rank's answer: the sampled token id of each logits row and the resolve counts (the driver reads
+    rank 0's; every rank sampled the same)."""
 
-    tokens: list[int] | None
+    tokens: list[int]
     resolve: ResolveCounts

@@ -3,11 +3,13 @@
 The same class serves every executor: in the engine's own process when the
 replica has one rank, in a worker process or a Ray actor otherwise. A rank
 does what the driver tells it, in the order it was told: build the pool, map
-the host pool, run forward steps, copy pages, open and close hot leases. Only
-rank 0 computes logits and samples; the other ranks stop at the final hidden
-states. Decode steps run through the rank's persistent buffers and, on a GPU,
-as captured CUDA graphs (engine/rank/decode_graphs.py); other steps, and every
-step under `enforce_eager`, run eagerly from the step's own tensors.
+the host pool, run forward steps, copy pages, open and close hot leases. Every
+rank computes the logits (lm_head is replicated) and samples the same tokens
+from the same hidden states, so each rank holds the step's ids on its device
+for the next step's inputs; rank 0's are read back. Decode steps run through
+the rank's persistent buffers and, on a GPU, as captured CUDA graphs
+(engine/rank/decode_graphs.py); other steps, and every step under
+`enforce_eager`, run eagerly from the step's own tensors.
 """
 
 from __future__ import annotations
@@ -61,14 +63,13 @@ class _Staging:
 class LaunchedStep:
     """A step a rank has queued; `output` waits for it (only for it: later steps may be queued behind)."""
 
-    def __init__(self, staging: _Staging, num_tokens: int | None, has_counts: bool,
-                 event: torch.cuda.Event | None) -> None:
+    def __init__(self, staging: _Staging, num_tokens: int, has_counts: bool, event: torch.cuda.Event | None) -> None:
         self._staging, self._num_tokens, self._has_counts, self._event = staging, num_tokens, has_counts, event
 
     def output(self) -> StepOutput:
         if self._event is not None:
             self._event.synchronize()
-        tokens = None if self._num_tokens is None else self._staging.tokens[: self._num_tokens].tolist()
+        tokens = self._staging.tokens[: self._num_tokens].tolist()
         counts = counts_of(self._staging.counts.tolist()) if self._has_counts else ResolveCounts()
         return StepOutput(tokens, counts)
 
@@ -120,8 +121,8 @@ class Worker:
         if self.graph_config.enforce_eager:
             return
         # Looked up at each call, so a test's wrapper of `sample_logits` sees uncaptured steps too.
-        sampler = (lambda logits, sampling: self.sample_logits(logits, sampling)) if self.rank == 0 else None
-        self.graphs = DecodeGraphs(self.graph_config, self.model, self.layout, self.ops, pool, num_pages, sampler)
+        self.graphs = DecodeGraphs(self.graph_config, self.model, self.layout, self.ops, pool, num_pages,
+                                   lambda logits, sampling: self.sample_logits(logits, sampling))
         self.graphs.capture_common(self.residency)
 
     def attach_host_pool(self, host: torch.Tensor) -> None:
@@ -132,8 +133,8 @@ class Worker:
         return self.launch_model(step).output()
 
     def launch_model(self, step: StepInput) -> LaunchedStep:
-        """Queues `step` on the device and returns at once: its token ids (on the sampling rank) and resolve
-        counts are copied to pinned host memory behind it, so the host can prepare the next step while this
+        """Queues `step` on the device and returns at once: its token ids and resolve counts are copied to
+        pinned host memory behind it, so the host can prepare the next step while this
         one runs. Each step's sampled ids also stay on the device (`last_tokens`), where the next step
         reads the inputs the host has not seen yet (`StepInput.prev_rows`)."""
         self._after_mirrors()
@@ -145,24 +146,21 @@ class Worker:
         staging = self._staging[self.num_launched % len(self._staging)]
         self.num_launched += 1
         n = step.num_logits
-        if tokens is not None:
-            self.last_tokens[:n].copy_(tokens[:n])
-            staging.tokens[:n].copy_(tokens[:n], non_blocking=True)
+        self.last_tokens[:n].copy_(tokens[:n])
+        staging.tokens[:n].copy_(tokens[:n], non_blocking=True)
         if self.residency is not None:
             self.residency.counts_into(staging.counts)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return LaunchedStep(staging, None if tokens is None else n, self.residency is not None, event)
+        return LaunchedStep(staging, n, self.residency is not None, event)
 
-    def _eager(self, step: StepInput) -> torch.Tensor | None:
+    def _eager(self, step: StepInput) -> torch.Tensor:
         batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
         if step.prev_rows is not None:
             batch.input_ids = with_previous_tokens(batch.input_ids, step.prev_rows.to(self.device), self.last_tokens)
         hidden = self.model.hidden_states(batch, self.kv_pool, self.layout, self.ops)
-        if self.rank != 0:
-            return None
         return self.sample_logits(self.model.logits(hidden), step.sampling.to(self.device))
 
     def sample_logits(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
