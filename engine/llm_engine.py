@@ -1,7 +1,9 @@
 """The synchronous engine core: validate and admit requests, step, emit outputs.
 
-One `step()` = schedule, forward, sample, apply stop conditions, free what
-finished. Everything is single-threaded here; `AsyncEngine` drives it from a
+One `step()` = schedule and launch a step (forward and sampling run on the
+ranks), then read the previous step's tokens, apply stop conditions and free
+what finished (`async_scheduling`; off, the step's own tokens are read before
+`step()` returns). Everything is single-threaded here; `AsyncEngine` drives it from a
 background thread. This process is the replica's driver: it owns scheduling,
 page accounting and residency decisions, and runs the model through an
 executor (engine/executors/) on one rank in this process or on
