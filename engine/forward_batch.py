@@ -88,16 +88,16 @@ class ForwardBatch:
 
     def resolve_selection(self, group: int, positions: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """KV slots of the chosen positions [T, K]: in place for resident pages, hot slots otherwise."""
+        decode = self.decode_leases
+        if decode is not None and decode.rows is None:  # every row (a decode graph): resident ones in place
+            return self.residency.resolve_decode(decode, group, positions, lens)
         rows = torch.arange(self.num_rows, device=positions.device)
         slots = self.mla_slots(rows, positions)
         for b, spec in self.nonresident.items():
             span = slice(*self.row_ranges[b])
             self.residency.resolve_rows(spec, group, positions[span], lens[span], self.step, slots[span])
-        decode = self.decode_leases
         if decode is None:
             return slots
-        if decode.rows is None:  # every row of the batch (a decode graph): resident rows resolve in place
-            return self.residency.resolve_decode(decode, group, positions, lens)
         slots[decode.rows] = self.residency.resolve_decode(decode, group, positions[decode.rows], lens[decode.rows])
         return slots
 

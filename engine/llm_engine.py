@@ -123,7 +123,6 @@ class LLMEngine:
         self._seed_counter = config.seed
         self.num_steps = 0
         self._in_flight: tuple[PendingOutput, list[Request]] | None = None  # launched, outputs not yet read
-        self.async_scheduling = config.async_scheduling and self.executor.overlaps_steps
 
     def _plan_gpu_pages(self) -> int:
         """Pool size: on a GPU what `gpu_memory_utilization` leaves after the loaded weights and the
@@ -233,7 +232,7 @@ class LLMEngine:
             self.scheduler.after_step(out)
             self.num_steps += 1
             self._record_states()
-        if not self.async_scheduling:
+        if not self.config.async_scheduling:
             return self._finish(launched) if launched is not None else []
         previous, self._in_flight = self._in_flight, launched
         return self._finish(previous) if previous is not None else []

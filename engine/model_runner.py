@@ -99,10 +99,6 @@ class ModelRunner:
             self.residency.record_resolves(out.resolve)
         return out.tokens
 
-    def execute(self, scheduled: list[ScheduledRequest], sampling: SamplingBatch) -> list[int]:
-        """`launch` and `collect`: one step, start to finish."""
-        return self.collect(self.launch(scheduled, sampling))
-
 
 def _nonresident(req: Request) -> NonResidentSpec:
     """Where each logical page of a request with host-only pages lives, for the ranks' resolves."""

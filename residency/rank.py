@@ -238,10 +238,6 @@ class RankResidency:
         """Adds a resolve's counts on the device: they are read once per step, not once per resolve."""
         self._tally += torch.stack([lookups.long(), misses.long(), misses.long() * self.group_run_bytes[group]])
 
-    def take_counts(self) -> ResolveCounts:
-        """The resolve counts since the last call (one device read)."""
-        return counts_of(self.counts_into(torch.empty(3, dtype=torch.long)).tolist())
-
     def counts_into(self, host: torch.Tensor) -> torch.Tensor:
         """Queues a copy of the counts since the last call into `host` [3] (pinned: the host need not wait
         for it now) and restarts them; read `host` with `counts_of` once the copy is done."""

@@ -14,13 +14,19 @@ import torch
 from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
 from residency import rank as rank_residency
-from residency.rank import NonResidentSpec, RankResidency
+from residency.rank import NonResidentSpec, RankResidency, counts_of
+from residency.stats import ResolveCounts
 
 PAGE = 64
 
 
 def _rank_residency(layout: KVLayout, pool: torch.Tensor, host: torch.Tensor) -> RankResidency:
     return RankResidency(layout.group_offsets, layout.group_run_bytes, pool, host)
+
+
+def _take_counts(residency: RankResidency) -> ResolveCounts:
+    """The resolve counts since the last read, as a step reads them."""
+    return counts_of(residency.counts_into(torch.empty(3, dtype=torch.long)).tolist())
 
 
 def group_runs(pool: torch.Tensor, layout: KVLayout, group: int) -> torch.Tensor:
@@ -68,7 +74,7 @@ def test_extend_rows_read_the_host_bytes_of_their_selection(tiny_dir: Path, piec
     # each group's tables start empty: its union is loaded once, repeats across rows are hits
     chosen = [int(p) for r in range(rows) for p in positions[r, : lens[r]] if gpu_pages[int(p) // PAGE] < 0]
     groups = len(layout.group_sizes)
-    counts = residency.take_counts()
+    counts = _take_counts(residency)
     assert counts.hot_misses == groups * len(set(chosen)) > 0
     assert counts.hot_hits == groups * (len(chosen) - len(set(chosen)))
     assert counts.bytes_h2d == len(set(chosen)) * sum(layout.group_run_bytes)
@@ -115,9 +121,9 @@ def test_a_resized_lease_keeps_the_rows_of_the_slots_that_stay(tiny_dir: Path) -
         assert len(mapped) == int((tables.slot_pos[group] >= 0).sum()) == 2 * PAGE
     dropped = [p for p in extend_rows if tables.pos_to_hot[0, p] < 0]
     assert len(dropped) == 250 - 2 * PAGE
-    residency.take_counts()
+    _take_counts(residency)
     resolve(held_before + dropped[:20], step=3)
-    counts = residency.take_counts()
+    counts = _take_counts(residency)
     assert counts.hot_hits == groups * len(held_before)
     assert counts.hot_misses == groups * 20
     with pytest.raises(ValueError):

@@ -10,7 +10,7 @@ process boundaries.
 
 Contract, whatever the implementation:
 - calls reach every rank in the order the driver made them;
-- `execute_model` returns the token ids rank 0 sampled; every rank ran the step;
+- `launch_model` queues a step on every rank; its output, read later, holds the token ids rank 0 sampled;
 - `mirror_pages` and `mirror_rows` are done by one rank into the shared host
   pool, asynchronously; their ticket says when the host copies are complete;
 - once a rank fails, every later call raises `WorkerError`.
@@ -54,19 +54,9 @@ class PendingOutput(Protocol):
     def output(self) -> StepOutput: ...
 
 
-class DoneOutput:
-    """An output already complete."""
-
-    def __init__(self, out: StepOutput) -> None:
-        self._out = out
-
-    def output(self) -> StepOutput:
-        return self._out
-
-
 class Executor(ABC):
     """The replica's ranks as the driver sees them; residency uses the page and lease half
-    (`PoolExecutor` in residency/manager.py), the model runner `execute_model`."""
+    (`PoolExecutor` in residency/manager.py), the model runner `launch_model`."""
 
     tp_size: int
 
@@ -84,18 +74,9 @@ class Executor(ABC):
         driver's view of it (the residency manager's page accounting wraps it)."""
 
     @abstractmethod
-    def execute_model(self, step: StepInput) -> StepOutput: ...
-
     def launch_model(self, step: StepInput) -> PendingOutput:
-        """Queues `step`; its output is read later (`output()`), after the driver prepared the next step.
-        Here the step runs to completion first; executors whose ranks queue work override this."""
-        return DoneOutput(self.execute_model(step))
-
-    @property
-    def overlaps_steps(self) -> bool:
-        """Whether a step may be launched before the previous one's tokens are read (every rank then takes
-        those inputs from its own device): executors that only run a step to completion say no."""
-        return False
+        """Queues `step` on every rank; its output is read later (`output()`), after the driver prepared the
+        next step (every rank takes the inputs the driver has not read from its own device)."""
 
     @abstractmethod
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket: ...
@@ -174,15 +155,8 @@ class LocalExecutor(Executor):
         self.worker.attach_host_pool(data)
         return data
 
-    def execute_model(self, step: StepInput) -> StepOutput:
-        return self.worker.execute_model(step)
-
     def launch_model(self, step: StepInput) -> PendingOutput:
         return self.worker.launch_model(step)
-
-    @property
-    def overlaps_steps(self) -> bool:
-        return True
 
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket:
         return EventTicket(self.worker.mirror_pages(gpu_ids, host_ids))

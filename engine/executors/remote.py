@@ -243,9 +243,6 @@ class RemoteExecutor(Executor):
             shared.unlink()
         return shared.tensor
 
-    def execute_model(self, step: StepInput) -> StepOutput:
-        return self.launch_model(step).output()
-
     def launch_model(self, step: StepInput) -> RemoteStep:
         if self._error is not None:
             raise self._error
@@ -257,10 +254,6 @@ class RemoteExecutor(Executor):
         self._num_sent_waits += 1
         self._loads_since_wait = False  # every rank reads earlier loads before the step's collectives
         return launched
-
-    @property
-    def overlaps_steps(self) -> bool:
-        return True
 
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket:
         if self._loads_since_wait:
