@@ -97,6 +97,20 @@ class LogitsRecorder:
         return torch.stack(self.rows[request_id])
 
 
+def record_device_inputs(engine: LLMEngine) -> list[bool]:
+    """For each step the engine launches from now on: whether some input was taken from the device (a token
+    the previous step sampled and the host had not read: the steps overlapped)."""
+    launched: list[bool] = []
+    launch = engine.executor.launch_model
+
+    def recording(step):  # noqa: ANN001, ANN202
+        launched.append(step.prev_rows is not None)
+        return launch(step)
+
+    engine.executor.launch_model = recording
+    return launched
+
+
 def make_engine(model_dir: Path, **overrides: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), **overrides))
 

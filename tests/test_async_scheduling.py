@@ -10,7 +10,7 @@ import torch
 
 from engine.request import SamplingParams
 from residency.config import HiSparseConfig
-from tests.helpers import assert_pages_released, greedy, make_engine
+from tests.helpers import assert_pages_released, greedy, make_engine, record_device_inputs
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -20,14 +20,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 def _run(tiny_dir: Path, async_scheduling: bool, eos: int, stop: str):  # noqa: ANN202
     engine = make_engine(tiny_dir, async_scheduling=async_scheduling)
     engine.eos_token_ids.add(eos)
-    launched_with_device_inputs = []
-    launch = engine.executor.launch_model
-
-    def recording(step):  # noqa: ANN001, ANN202
-        launched_with_device_inputs.append(step.prev_rows is not None)
-        return launch(step)
-
-    engine.executor.launch_model = recording
+    launched_with_device_inputs = record_device_inputs(engine)
     params = {
         "eos": SamplingParams(max_tokens=40),  # stops on the EOS id
         "stop": greedy(40, stop=(stop,)),

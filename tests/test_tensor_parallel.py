@@ -28,7 +28,7 @@ from engine.tp.tensor_parallel import TensorParallel
 from engine.weights import FP8_BLOCK, _read_slice, dequantize_fp8_block, load_weights, random_init
 from residency.config import HiSparseConfig
 from residency.page_pool import PageUse
-from tests.helpers import assert_pages_released, greedy, make_engine
+from tests.helpers import assert_pages_released, greedy, make_engine, record_device_inputs
 
 # Three requests that fit at admission but not once they grow (as in test_residency.py).
 PROMPT_LENS = (250, 240, 230)
@@ -68,14 +68,7 @@ def _run_under_pressure(tiny_dir: Path, policy: str, **config) -> tuple[LLMEngin
     returns how many steps were launched before the previous step's tokens were read."""
     hs = HiSparseConfig(policy=policy, host_pool_gib=0.05)
     engine = make_engine(tiny_dir, num_gpu_pages=TIGHT_PAGES, enable_prefix_cache=False, hisparse=hs, **config)
-    overlapped = []
-    launch = engine.executor.launch_model
-
-    def counting(step):  # noqa: ANN001, ANN202
-        overlapped.append(step.prev_rows is not None)
-        return launch(step)
-
-    engine.executor.launch_model = counting
+    overlapped = record_device_inputs(engine)
     ids = [f"r{i}" for i in range(len(PROMPT_LENS))]
     for rid, prompt in zip(ids, _prompts()):
         engine.add_request(rid, prompt, greedy(NEW_TOKENS))
