@@ -169,22 +169,33 @@ def measure(engine: LLMEngine, prompts: list[list[int]], warmup: int = 4, steps:
     return Measured(step_ms, device, statistics.mean(counter.counts))
 
 
-def profile_steps(engine: LLMEngine, prompts: list[list[int]], path: Path) -> None:
-    """Writes the host and device time of every op over three decode steps (torch.profiler) to `path`."""
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+def profile_steps(engine: LLMEngine, prompts: list[list[int]], path: Path, steps: int = 3) -> None:
+    """Writes every GPU kernel's launches and time per decode step, then the host's busiest ops, over
+    `steps` decode steps (torch.profiler) to `path`: the kernel list is what a layer's device time is
+    made of."""
+    params = SamplingParams(max_tokens=6 + steps + 4, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"profile-{i}", prompt, params)
     for _ in range(6):
         engine.step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+        for _ in range(steps):
             engine.step()
+        torch.cuda.synchronize()
     while engine.has_unfinished():
         engine.step()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45, max_name_column_width=60)
-    path.write_text(table + "\n\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
-                                                                max_name_column_width=60))
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(e.name[:90], []).append(e.device_time)
+    lines = [f"{'us/step':>9} {'calls/step':>10}  kernel"]
+    for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{sum(times) / steps:9.1f} {len(times) / steps:10.1f}  {name}")
+    total = sum(sum(t) for t in kernels.values()) / steps
+    lines.append(f"{total:9.1f} {sum(len(t) for t in kernels.values()) / steps:10.1f}  total")
+    host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    path.write_text("\n".join(lines) + "\n\n" + host)
 
 
 def layer_floor(cfg: ModelConfig, fmt: WeightFormat, batch: int, ctx: int, experts: float, gbs: float,
@@ -217,8 +228,8 @@ def run(args: argparse.Namespace, fp8: bool, mode: str, layers: int, pages: int)
         results = {}
         for ctx in args.contexts:
             prompts = build_contexts(engine, ctx, max(args.batches), seed=ctx)
-            if args.profile is not None:
-                profile_steps(engine, prompts[: args.profile_batch], args.profile / f"profile-{layers}l-{ctx}.txt")
+            for batch in args.profile_batches if args.profile is not None else []:
+                profile_steps(engine, prompts[:batch], args.profile / f"profile-{layers}l-{ctx}-B{batch}.txt")
             for batch in args.batches:
                 results[(ctx, batch)] = measure(engine, prompts[:batch])
                 logger.info("%s %s %d layers ctx %d B %d: %.2f ms", "fp8" if fp8 else "bf16", mode, layers, ctx,
@@ -243,8 +254,9 @@ def main() -> None:
     parser.add_argument("--allreduce-us", type=float, default=10.0,
                         help="one TP8 all-reduce of a decode batch's hidden states, for the 78-layer estimate")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON lines here")
-    parser.add_argument("--profile", type=Path, default=None, help="folder for a torch.profiler table per depth")
-    parser.add_argument("--profile-batch", type=int, default=8)
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="folder for a torch.profiler table per depth, context and profiled batch size")
+    parser.add_argument("--profile-batches", type=int, nargs="+", default=[8])
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     gbs, tflops = hbm_copy_gbs(), dense_tflops()
