@@ -8,9 +8,13 @@ one expert. Output sizes depend only on (T*k, E, block_m) (`moe_align_sizes`),
 never on the routing; no host synchronisation: CUDA-graph capturable. Ids
 outside [0, E) are left out (a rank without an expert passes -1).
 
-Launches: one for T*k <= ALIGN_CHUNK, else a per-chunk count launch and a
-scatter launch (deterministic: no atomics decide an order). Contents: the
-PyTorch twin `moe_align_ref`, the Triton kernels and the launcher `moe_align`.
+Launches: one program for T*k <= SMALL_ALIGN (small decode batches): two passes
+over the slots in sub-blocks, a histogram of the experts, then each slot's
+place from its expert's next free position (gathered from registers) plus its
+rank among the sub-block's earlier slots of that expert; above that, a
+per-chunk count launch and a scatter launch. Deterministic: no atomics decide
+an order. Contents: the PyTorch twin `moe_align_ref`, the Triton kernels and
+the launcher `moe_align`.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ import triton.language as tl
 from kernels.fp8_gemm import _interpreting
 
 ID_DTYPES = (torch.int32, torch.int64)
-ALIGN_CHUNK = 128  # slots per program of the alignment launches (one program, one launch, up to this many)
+ALIGN_CHUNK = 128  # slots per program of the multi-program alignment (prefill chunks)
+SMALL_ALIGN = 256  # up to this many slots one program aligns them all (H200: 6.6 us at 9 slots, 11 at 72,
+# 20 at 252 against 21-22 us for the two launches; these win from about 288 slots)
 
 
 class MoEAlignment(NamedTuple):
@@ -102,7 +108,7 @@ def _align_count_kernel(ids_ptr, hist_ptr, num_slots, num_experts, top_k, stride
 def _align_scatter_kernel(
     ids_ptr, hist_ptr, base_ptr, sorted_ptr, eob_ptr, npad_ptr,
     num_slots, num_experts, num_chunks, max_padded, max_blocks, top_k, stride_it, stride_ij,
-    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
     HIST_ROWS: tl.constexpr, TAIL: tl.constexpr, SUB: tl.constexpr, PAD: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -111,17 +117,13 @@ def _align_scatter_kernel(
     offs = c * CHUNK + idx
     e, ok = _load_ids(ids_ptr, offs, num_slots, num_experts, top_k, stride_it, stride_ij)
     # Counts per expert over all slots, and over the slots of the chunks before this one.
-    if SINGLE:
-        total = _count_chunk(ids_ptr, 0, num_slots, num_experts, top_k, stride_it, stride_ij, BLOCK_E, CHUNK, SUB)
-        before = tl.zeros([BLOCK_E], dtype=tl.int32)
-    else:
-        total = tl.zeros([BLOCK_E], dtype=tl.int32)
-        before = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for r0 in range(0, num_chunks, HIST_ROWS):
-            rows = r0 + tl.arange(0, HIST_ROWS)
-            hist = tl.load(hist_ptr + rows[:, None] * BLOCK_E + ex[None, :], mask=rows[:, None] < num_chunks, other=0)
-            total += tl.sum(hist, axis=0)
-            before += tl.sum(tl.where(rows[:, None] < c, hist, 0), axis=0)
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for r0 in range(0, num_chunks, HIST_ROWS):
+        rows = r0 + tl.arange(0, HIST_ROWS)
+        hist = tl.load(hist_ptr + rows[:, None] * BLOCK_E + ex[None, :], mask=rows[:, None] < num_chunks, other=0)
+        total += tl.sum(hist, axis=0)
+        before += tl.sum(tl.where(rows[:, None] < c, hist, 0), axis=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -165,6 +167,59 @@ def _align_scatter_kernel(
 
 
 
+@triton.jit(do_not_specialize=["num_slots", "max_padded", "max_blocks"])
+def _align_small_kernel(
+    ids_ptr, sorted_ptr, eob_ptr, npad_ptr,
+    num_slots, num_experts, max_padded, max_blocks, top_k, stride_it, stride_ij,
+    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr, TAIL: tl.constexpr, PAD: tl.constexpr,
+):
+    """One program: every slot's place in sorted order. BLOCK_E > num_experts; the last lane counts the
+    slots left out (ids outside [0, E) and the sub-blocks' tails), which are never stored."""
+    ex = tl.arange(0, BLOCK_E)
+    sub = tl.arange(0, SUB)
+    spare = BLOCK_E - 1
+    total = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for s0 in range(0, num_slots, SUB):
+        e, ok = _load_ids(ids_ptr, s0 + sub, num_slots, num_experts, top_k, stride_it, stride_ij)
+        total += tl.histogram(tl.where(ok, e, spare), BLOCK_E)
+    total = tl.where(ex < num_experts, total, 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    num_padded = tl.sum(padded, axis=0)
+
+    # Slots in order: the expert's next free place plus the rank among this sub-block's earlier slots of it.
+    free = starts
+    for s0 in range(0, num_slots, SUB):
+        e, ok = _load_ids(ids_ptr, s0 + sub, num_slots, num_experts, top_k, stride_it, stride_ij)
+        key = tl.where(ok, e, spare)
+        earlier = (key[:, None] == key[None, :]) & (sub[None, :] < sub[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        pos = tl.gather(free, key, 0) + rank
+        tl.store(sorted_ptr + pos, s0 + sub, mask=ok)
+        free += tl.histogram(key, BLOCK_E)
+
+    # Padding after each expert's slots, its blocks' expert, then the unused tail.
+    pad_end = padded - total
+    for j0 in range(0, BLOCK_M, PAD):
+        col = j0 + tl.arange(0, PAD)
+        tl.store(sorted_ptr + (starts + total)[:, None] + col[None, :], num_slots,
+                 mask=col[None, :] < pad_end[:, None])
+    nblk = padded // BLOCK_M
+    sblk = starts // BLOCK_M
+    for r in range(0, tl.max(nblk, axis=0)):
+        tl.store(eob_ptr + sblk + r, ex, mask=r < nblk)
+    used_blocks = num_padded // BLOCK_M
+    for t0 in range(0, max_blocks, TAIL):
+        b = t0 + tl.arange(0, TAIL)
+        tl.store(eob_ptr + b, tl.full([TAIL], -1, tl.int32), mask=(b >= used_blocks) & (b < max_blocks))
+    for t0 in range(0, max_padded, TAIL):
+        p = t0 + tl.arange(0, TAIL)
+        tl.store(sorted_ptr + p, tl.zeros([TAIL], dtype=tl.int32) + num_slots,
+                 mask=(p >= num_padded) & (p < max_padded))
+    tl.store(npad_ptr, num_padded)
+
+
 def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool) -> None:
     if topk_ids.dim() != 2 or topk_ids.dtype not in ID_DTYPES:
         raise ValueError(f"topk_ids must be int32/int64 [T, k], got {tuple(topk_ids.shape)} {topk_ids.dtype}")
@@ -195,19 +250,25 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     if n == 0:
         num_padded.zero_()
         return MoEAlignment(sorted_ids, eob, num_padded)
-    block_e = max(32, triton.next_power_of_2(num_experts))
-    chunks = triton.cdiv(n, ALIGN_CHUNK)
     k = topk_ids.shape[1]
     si, sj = topk_ids.stride()
+    if n <= SMALL_ALIGN:
+        _align_small_kernel[(1,)](
+            topk_ids, sorted_ids, eob, num_padded, n, num_experts, max_padded, max_blocks, k, si, sj,
+            BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, SUB=64, TAIL=1024, PAD=16,
+            num_warps=4,
+        )
+        return MoEAlignment(sorted_ids, eob, num_padded)
+    block_e = max(32, triton.next_power_of_2(num_experts))
+    chunks = triton.cdiv(n, ALIGN_CHUNK)
     base = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)  # per-chunk slot bases (scratch)
-    hist = torch.empty((chunks, block_e), dtype=torch.int32, device=dev) if chunks > 1 else base  # unused if 1
-    if chunks > 1:
-        _align_count_kernel[(chunks,)](topk_ids, hist, n, num_experts, k, si, sj,
-                                       BLOCK_E=block_e, CHUNK=ALIGN_CHUNK, SUB=32, num_warps=4)
+    hist = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
+    _align_count_kernel[(chunks,)](topk_ids, hist, n, num_experts, k, si, sj,
+                                   BLOCK_E=block_e, CHUNK=ALIGN_CHUNK, SUB=32, num_warps=4)
     _align_scatter_kernel[(chunks,)](
         topk_ids, hist, base, sorted_ids, eob, num_padded,
         n, num_experts, chunks, max_padded, max_blocks, k, si, sj,
-        BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, SINGLE=chunks == 1, HIST_ROWS=16, TAIL=1024, SUB=32,
+        BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, HIST_ROWS=16, TAIL=1024, SUB=32,
         PAD=16, num_warps=8,
     )
     return MoEAlignment(sorted_ids, eob, num_padded)
