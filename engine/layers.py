@@ -20,7 +20,7 @@ from kernels.fp8_gemm import FP8_BLOCK
 from kernels.fused_moe import fused_moe, fused_moe_ref
 from kernels.rmsnorm import rmsnorm
 from kernels.rope import rope
-from kernels.router import route
+from kernels.router import ROUTER_PARTIAL_TOKENS, route, router_logits
 
 
 class RMSNorm(nn.Module):
@@ -108,10 +108,14 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, shared_slot: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, k'] float32, expert ids [T, k']): the top-k experts, then, with `shared_slot` >= 0,
-        that expert with weight 1 for every token (k' = k + 1). One kernel after the logits on a GPU."""
+        that expert with weight 1 for every token (k' = k + 1). Two kernels on a GPU: the float32 logits (in
+        partial sums for a decode batch, kernels/router.py), then the selection (int32 ids there)."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
-        if logits.is_cuda:
+        if x.is_cuda and x.shape[0] <= ROUTER_PARTIAL_TOKENS:
+            logits = router_logits(x, self.weight.float())
+        else:
+            logits = F.linear(x.float(), self.weight.float())
+        if x.is_cuda:
             return route(logits, self.e_score_correction_bias, cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok,
                          cfg.norm_topk_prob, cfg.routed_scaling_factor, shared_slot)
         scores = logits.sigmoid()

@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from engine.layers import Router  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.tiny import TINY_CONFIG  # noqa: E402
-from kernels.router import route  # noqa: E402
+from kernels.router import route, router_logits  # noqa: E402
 
 
 @pytest.mark.parametrize(("experts", "groups", "topk_group", "k"), [(8, 2, 1, 2), (16, 4, 2, 4), (256, 1, 1, 8)])
@@ -42,3 +42,23 @@ def test_route_equals_the_router(experts: int, groups: int, topk_group: int, k: 
 def test_bad_routing_is_refused() -> None:
     with pytest.raises(ValueError):
         route(torch.zeros(2, 12), torch.zeros(12), 1, 1, 2, True, 1.0)  # 12 experts: not a power of two
+
+
+@pytest.mark.parametrize(("tokens", "experts", "hidden"), [(1, 256, 1024), (21, 40, 700), (3, 16, 200)])
+def test_router_logits_sum_to_the_float32_product(tokens: int, experts: int, hidden: int) -> None:
+    """The partial sums over K ranges add up to x.float() @ W.T (bf16 activations, a float32 weight, edge tiles
+    in tokens, experts and K), and routing on the partials picks what routing on their sum picks."""
+    gen = torch.Generator().manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(experts, hidden, generator=gen) * 0.1
+    parts = router_logits(x, weight)
+    assert parts.dtype == torch.float32 and parts.shape[1:] == (tokens, experts)
+    assert parts.shape[0] > 1 or hidden < 512, "a decode batch spreads K over several programs"
+    want = torch.nn.functional.linear(x.float(), weight)
+    torch.testing.assert_close(parts.sum(0), want, rtol=1e-5, atol=1e-5)
+    if experts & (experts - 1) == 0:
+        bias = torch.randn(experts, generator=gen) * 0.05
+        got_w, got_ids = route(parts, bias, 1, 1, 4, True, 2.5, experts)
+        want_w, want_ids = route(parts.sum(0), bias, 1, 1, 4, True, 2.5, experts)
+        assert got_ids.dtype == torch.int32 and torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
