@@ -23,8 +23,9 @@ One launch shape per problem (`FP8GemmConfig.for_problem`):
   weight bytes. `swap_ab` computes out^T = W x^T so weight rows fill the MMA's
   M side and the few tokens its N side; x is quantised by its own launch first
   (inside every weight tile the decode GEMM was ALU-bound); `split_k` cuts K into ranges so enough programs
-  fill the GPU, their float32 partials summed in a fixed order by a second small
-  launch (deterministic).
+  fill the GPU; each range stores its float32 partial and the last range of a
+  tile to arrive (an atomic counter per tile) adds the partials in range order
+  and writes the output: one launch, deterministic.
 - large M (prefill): x is quantised once by `quantize_activations`, then a tiled
   fp8 GEMM with an L2-friendly program order (128x128 tiles, smaller ones or a
   split when that leaves fewer programs than SMs).
@@ -78,7 +79,7 @@ class FP8GemmConfig:
 
     block_m: int = 64  # tokens per tile (>= 16)
     block_n: int = 128  # weight rows (output columns) per tile (>= 16)
-    split_k: int = 1  # K ranges per tile; > 1 adds a reduction launch over float32 partials
+    split_k: int = 1  # K ranges per tile; > 1: float32 partials, summed by the tile's last range
     swap_ab: bool = False  # out^T = W x^T: weight rows on the MMA's M side (small M)
     group_m: int = 8  # M tiles per group of the L2-friendly program order
     num_warps: int = 4
@@ -220,13 +221,13 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm, 
 
 
 # M changes from step to step: not specialised on, so a new batch size reuses the compiled kernel.
-@triton.jit(do_not_specialize=["M", "kb_per_split"])
+@triton.jit(do_not_specialize=["M", "kb_per_split", "splits"])
 def _fp8_gemm_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr,
-    M, N, K, kb_per_split,
-    stride_am, stride_asm, stride_wn, stride_wsn, stride_wsk, stride_cs, stride_cm,
+    a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, out_ptr, arrivals_ptr,
+    M, N, K, kb_per_split, splits,
+    stride_am, stride_asm, stride_wn, stride_wsn, stride_wsk, stride_cs, stride_cm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = 128
     pid = tl.program_id(0)
@@ -275,26 +276,29 @@ def _fp8_gemm_kernel(
         else:
             acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws[None, :])
 
-    c_base = c_ptr + split.to(tl.int64) * stride_cs
     if SWAP_AB:
-        c_ptrs = c_base + offs_m.to(tl.int64)[None, :] * stride_cm + offs_n[:, None]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=nmask[:, None] & mmask[None, :])
+        tile = offs_m.to(tl.int64)[None, :] * stride_cm + offs_n[:, None]
+        out_tile = offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        cmask = nmask[:, None] & mmask[None, :]
     else:
-        c_ptrs = c_base + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
-
-
-@triton.jit(do_not_specialize=["M", "splits"])
-def _splitk_sum_kernel(p_ptr, c_ptr, M, N, splits, stride_ps, stride_cm, BLOCK: tl.constexpr):
-    """out[m, n] = sum over s = 0..splits-1, in order, of partial[s, m, n]."""
-    m = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    src = p_ptr + m * N + offs
-    acc = tl.load(src, mask=mask, other=0.0)
-    for s in range(1, splits):
-        acc += tl.load(src + s * stride_ps, mask=mask, other=0.0)
-    tl.store(c_ptr + m * stride_cm + offs, acc.to(c_ptr.dtype.element_ty), mask=mask)
+        tile = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+        out_tile = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        cmask = mmask[:, None] & nmask[None, :]
+    if not SPLIT:
+        tl.store(out_ptr + out_tile, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+    else:
+        # Every K range stores its float32 partial; the tile's last range to arrive adds them in range
+        # order (deterministic) and writes the output, then re-arms the tile's counter for the next launch.
+        tl.store(c_ptr + split.to(tl.int64) * stride_cs + tile, acc, mask=cmask)
+        tl.debug_barrier()  # the whole program's partial is stored before the arrival is counted
+        arrived = tl.atomic_add(arrivals_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if arrived == splits - 1:
+            total = tl.load(c_ptr + tile, mask=cmask, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                total += tl.load(c_ptr + s * stride_cs + tile, mask=cmask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + out_tile, total.to(out_ptr.dtype.element_ty), mask=cmask)
+            tl.atomic_xchg(arrivals_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
 # --- launchers -----------------------------------------------------------------------------
@@ -355,6 +359,25 @@ def _default_config(m: int, n: int, k: int, num_sms: int) -> FP8GemmConfig:
     return FP8GemmConfig.for_problem(m, n, k, num_sms)
 
 
+_MAX_SPLIT_TILES = 1 << 14
+_arrivals: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's split-K arrival counters, one per output tile, zero between launches (the last range of
+    a tile re-arms its counter). Allocated once per device, outside any CUDA-graph capture: the first
+    split launch on a device is an eager one (a graph is captured after its shape ran eagerly). Launches
+    on one stream only: two split GEMMs running at once would share counters."""
+    if tiles > _MAX_SPLIT_TILES:
+        raise ValueError(f"a split-K launch of {tiles} tiles exceeds the {_MAX_SPLIT_TILES} arrival counters")
+    counters = _arrivals.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the first split-K FP8 GEMM on a device must run before any graph capture")
+        counters = _arrivals[device] = torch.zeros(_MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return counters
+
+
 def _quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
     m, k = x.shape
     nb = _blocks(k)
@@ -397,24 +420,19 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     nb = _blocks(k)
     kb_per_split = triton.cdiv(nb, cfg.split_k)
     splits = triton.cdiv(nb, kb_per_split)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     if splits > 1:
-        dest = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-        stride_cs, stride_cm = dest.stride(0), dest.stride(1)
+        partials = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        arrivals = _arrival_counters(x.device, tiles)
     else:
-        dest, stride_cs, stride_cm = out, 0, out.stride(0)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
-    _fp8_gemm_kernel[grid](
-        a, a_s, weight, weight_scale_inv, dest,
-        m, n, k, kb_per_split,
+        partials = arrivals = out  # unused
+    _fp8_gemm_kernel[(tiles, splits)](
+        a, a_s, weight, weight_scale_inv, partials, out, arrivals,
+        m, n, k, kb_per_split, splits,
         a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
-        stride_cs, stride_cm,
+        partials.stride(0) if splits > 1 else 0, partials.stride(1) if splits > 1 else 0, out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-        SWAP_AB=cfg.swap_ab, EVEN_K=k % FP8_BLOCK == 0,
+        SWAP_AB=cfg.swap_ab, EVEN_K=k % FP8_BLOCK == 0, SPLIT=splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        block = min(1024, triton.next_power_of_2(n))
-        _splitk_sum_kernel[(m, triton.cdiv(n, block))](
-            dest, out, m, n, splits, dest.stride(0), out.stride(0), BLOCK=block, num_warps=4,
-        )
     return out.reshape(*lead, n)
