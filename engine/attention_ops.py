@@ -56,7 +56,10 @@ class AttentionOps(Protocol):
 
     def sparse_mla(
         self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """Latent outputs [N, H, Dl] of q [N, H, Dl+Dr] over slots [N, K] (valid up to lens [N]), in float32
+        or in q's dtype (the caller casts to q's dtype)."""
+        ...
 
 
 class TorchAttentionOps:

@@ -84,7 +84,9 @@ class TritonAttentionOps(TorchAttentionOps):
         self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
     ) -> torch.Tensor:
         layout = self.layout
+        """The output in q's dtype: the caller rounds the float32 result to it anyway."""
         return sparse_mla(
             q.contiguous(), kv_view, slots.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous(),
             kv_format=layout.kv_format, latent_dim=layout.latent_dim, rope_dim=layout.rope_dim, scale=scale,
+            out_dtype=q.dtype,
         )

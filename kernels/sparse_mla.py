@@ -287,7 +287,9 @@ def _num_splits(cfg: SparseMLAConfig, programs: int, k: int, block_k: int, devic
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     want = triton.cdiv(cfg.waves * sms, max(programs, 1))
-    return max(1, min(want, triton.cdiv(k, 2 * block_k)))
+    # Two tiles per split, or one when even two-tile splits leave most SMs idle (H200, B = 1: 16 -> 10 us).
+    tiles_per_split = 1 if programs * triton.cdiv(k, 2 * block_k) < sms // 2 else 2
+    return max(1, min(want, triton.cdiv(k, tiles_per_split * block_k)))
 
 
 def sparse_mla(
