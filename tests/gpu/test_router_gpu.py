@@ -30,3 +30,23 @@ def test_router_on_the_gpu_matches_the_cpu() -> None:
     assert same.float().mean() >= 0.97, same.float().mean()
     torch.testing.assert_close(got_w.gather(1, order_got.indices)[same], want_w.gather(1, order_want.indices)[same],
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 32])
+def test_decode_router_logits_at_glm_shapes(tokens: int) -> None:
+    """Decode batches take the partial-sum logits (tf32x3 dots): their sum is the float32 product within float32
+    rounding at GLM-5.3's 256 x 6144 router, and routing on them picks the float32 product's experts."""
+    from kernels.router import ROUTER_PARTIAL_TOKENS, route, router_logits
+
+    assert tokens <= ROUTER_PARTIAL_TOKENS
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    weight = torch.randn(256, 6144, generator=gen, device="cuda") * 0.02
+    x = torch.randn(tokens, 6144, generator=gen, device="cuda").to(torch.bfloat16)
+    parts = router_logits(x, weight)
+    want = torch.nn.functional.linear(x.float(), weight)
+    torch.testing.assert_close(parts.sum(0), want, rtol=1e-5, atol=2e-5)
+    bias = torch.zeros(256, device="cuda")
+    _, got_ids = route(parts, bias, 1, 1, 8, True, 2.5, 256)
+    _, want_ids = route(want, bias, 1, 1, 8, True, 2.5, 256)
+    same = (got_ids.sort(1).values == want_ids.sort(1).values).all(1)
+    assert same.float().mean() >= 0.9, same.float().mean()
