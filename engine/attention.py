@@ -26,6 +26,7 @@ from engine.layers import RMSNorm, rotate
 from engine.linear import WeightFormat, make_linear
 from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
+from kernels.fp8_gemm import FP8_BLOCK
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,13 @@ class Indexer(nn.Module):
         return Selection(batch.resolve_selection(full_index, positions, lens), lens)
 
 
+def fuses_latent_projections(cfg: ModelConfig, fmt: WeightFormat) -> bool:
+    """Whether q_a_proj and kv_a_proj_with_mqa are held as one weight: always for plain weights; for FP8
+    ones only when q_lora_rank is a whole number of 128-row scale blocks (GLM-5.3's 2048), so that each
+    published tensor's block scales stay its own rows of the joint scale tensor."""
+    return not fmt.is_fp8("q_a_proj") or cfg.q_lora_rank % FP8_BLOCK == 0
+
+
 class MLAAttention(nn.Module):
     """Multi-head latent attention over the slots chosen by the indexer."""
 
@@ -89,11 +97,17 @@ class MLAAttention(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.num_heads = h = tp.local(cfg.num_attention_heads, "num_attention_heads")  # this rank's heads
-        self.q_a_proj = make_linear(cfg.hidden_size, cfg.q_lora_rank, fmt.is_fp8("q_a_proj"))
+        kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        # q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM when their rows can share a weight
+        # (engine/weight_map.py loads both published tensors into it).
+        self.fused_latent = fuses_latent_projections(cfg, fmt)
+        if self.fused_latent:
+            self.q_kv_a_proj = make_linear(cfg.hidden_size, cfg.q_lora_rank + kv_a, fmt.is_fp8("q_a_proj"))
+        else:
+            self.q_a_proj = make_linear(cfg.hidden_size, cfg.q_lora_rank, fmt.is_fp8("q_a_proj"))
+            self.kv_a_proj_with_mqa = make_linear(cfg.hidden_size, kv_a, fmt.is_fp8("kv_a_proj_with_mqa"))
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.q_b_proj = make_linear(cfg.q_lora_rank, h * cfg.qk_head_dim, fmt.is_fp8("q_b_proj"))
-        kv_a = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        self.kv_a_proj_with_mqa = make_linear(cfg.hidden_size, kv_a, fmt.is_fp8("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = make_linear(h * cfg.v_head_dim, cfg.hidden_size, fmt.is_fp8("o_proj"))
@@ -104,12 +118,16 @@ class MLAAttention(nn.Module):
         cfg = self.cfg
         batch, cos, sin, layout = ctx.batch, ctx.cos, ctx.sin, ctx.layout
         h, dn, dv, dl = self.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
-        q_latent = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_latent).view(-1, h, cfg.qk_head_dim)
         dr = cfg.qk_rope_head_dim
+        if self.fused_latent:
+            q_a, latent, k_rope = self.q_kv_a_proj(x).split([cfg.q_lora_rank, dl, dr], dim=-1)
+        else:
+            q_a = self.q_a_proj(x)
+            latent, k_rope = self.kv_a_proj_with_mqa(x).split([dl, dr], dim=-1)
+        q_latent = self.q_a_layernorm(q_a)
+        q = self.q_b_proj(q_latent).view(-1, h, cfg.qk_head_dim)
         q_nope, q_rope = q[..., :dn], rotate(q[..., dn:], cos, sin, dr, cfg.rope_interleave)
 
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([dl, dr], dim=-1)
         latent = self.kv_a_layernorm(latent)
         k_rope = rotate(k_rope, cos, sin, dr, cfg.rope_interleave)
         ctx.ops.write_mla_rows(ctx.kv_pool, self.layer, batch.mla_write_slots, latent, k_rope)

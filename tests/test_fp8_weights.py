@@ -22,6 +22,7 @@ from engine.model_config import ModelConfig
 from engine.tiny import make_tiny
 from engine.tp.tensor_parallel import TensorParallel
 from engine.weights import load_weights, random_init
+from kernels.fp8_gemm import fp8_block_linear_ref
 from tests.helpers import LogitsRecorder, greedy, make_engine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +71,8 @@ def test_fp8_weights_stay_fp8_and_agree_with_the_dequantised_model(tmp_path: Pat
     assert layer.mlp.experts.w13.dtype == torch.float8_e4m3fn and layer.mlp.experts.w2_scale_inv.dtype == torch.float32
     assert layer.self_attn.kv_b_proj.weight.dtype == torch.bfloat16  # absorbed: needs the matrix itself
     dense = make_engine(model_dir, dtype="bfloat16", quantization="none")
-    assert dense.executor.worker.model.model.layers[1].self_attn.q_a_proj.weight.dtype == torch.bfloat16
+    # plain weights hold q_a_proj and kv_a_proj_with_mqa as one (FP8 ones here do not: q_lora_rank 64 < 128)
+    assert dense.executor.worker.model.model.layers[1].self_attn.q_kv_a_proj.weight.dtype == torch.bfloat16
     prompt = list(range(3, 90))
     [continuation] = dense.generate([prompt], [greedy(6)])
     ra, rb = LogitsRecorder(fp8), LogitsRecorder(dense)
@@ -147,3 +149,33 @@ def test_tensor_parallel_sizes_that_split_a_scale_block_are_refused(fp8_dir: Pat
     with pytest.raises(ValueError, match="q_b_proj rows .* is 96, not a multiple of 128"):
         make_engine(fp8_dir, dtype="bfloat16", tensor_parallel_size=2)
     make_engine(fp8_dir, dtype="bfloat16", quantization="none", tensor_parallel_size=2).shutdown()
+
+
+def test_fp8_latent_projections_load_into_one_weight(tmp_path: Path) -> None:
+    """With q_lora_rank a whole number of 128-blocks, q_a_proj and kv_a_proj_with_mqa load as the rows of one
+    FP8 weight (values and block scales, from their published names) whose one GEMM gives both outputs;
+    the memory plan still counts the bytes the model allocates."""
+    model_dir = make_tiny(tmp_path / "joint", seed=3, overrides={"q_lora_rank": 128}, fp8=True)
+    cfg = ModelConfig.from_dir(model_dir)
+    fmt = WeightFormat("fp8")
+    model = build_model(cfg, TensorParallel(), fmt, torch.bfloat16, torch.device("cpu"))
+    load_weights(model, model_dir, torch.bfloat16)
+    model.hold_float32_parts()
+    assert weight_bytes(cfg, 1, fmt, torch.bfloat16) == _allocated(model)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_kv_a_proj, Fp8Linear) and not hasattr(attn, "q_a_proj")
+    published = {}
+    for shard in model_dir.glob("*.safetensors"):
+        with safe_open(str(shard), framework="pt") as f:
+            published.update({k: f.get_tensor(k) for k in f.keys() if k.startswith("model.layers.0.self_attn.")})
+    prefix = "model.layers.0.self_attn."
+    q, q_scale = published[prefix + "q_a_proj.weight"], published[prefix + "q_a_proj.weight_scale_inv"]
+    kv, kv_scale = (published[prefix + "kv_a_proj_with_mqa.weight"],
+                    published[prefix + "kv_a_proj_with_mqa.weight_scale_inv"])
+    joint = attn.q_kv_a_proj
+    assert torch.equal(joint.weight.view(torch.uint8), torch.cat([q, kv]).view(torch.uint8))
+    assert torch.equal(joint.weight_scale_inv, torch.cat([q_scale, kv_scale]))
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    out = joint(x)
+    torch.testing.assert_close(out[:, :128], fp8_block_linear_ref(x, q, q_scale), rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(out[:, 128:], fp8_block_linear_ref(x, kv, kv_scale), rtol=1e-2, atol=1e-3)
