@@ -18,7 +18,7 @@ from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
 from kernels.fp8_gemm import FP8_BLOCK
 from kernels.fused_moe import fused_moe, fused_moe_ref
-from kernels.rmsnorm import rmsnorm
+from kernels.rmsnorm import add_rmsnorm, rmsnorm
 from kernels.rope import rope
 from kernels.router import ROUTER_PARTIAL_TOKENS, route, router_logits
 
@@ -38,6 +38,14 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual stream's add and the norm that follows it, one
+        kernel on a GPU."""
+        if x.is_cuda and x.dtype == self.weight.dtype == residual.dtype:
+            return add_rmsnorm(x, residual, self.weight, self.eps)
+        total = x + residual
+        return self(total), total
 
 
 class RotaryEmbedding(nn.Module):

@@ -40,10 +40,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, tp.local(cfg.intermediate_size, "intermediate_size"), fmt)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, shared: Selection | None) -> tuple[torch.Tensor, Selection]:
-        attn, selection = self.self_attn(self.input_layernorm(x), ctx, shared)
-        x = x + self.tp.all_reduce(attn)
-        return x + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(x))), selection
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext, shared: Selection | None
+                ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
+        """(MLP output, residual stream before it, selection): the stream is x + residual, added by the next
+        norm (the next layer's input norm, or the final one), which saves a launch per add on a GPU. The
+        first layer gets the embeddings as x and no residual."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        attn, selection = self.self_attn(h, ctx, shared)
+        h, residual = self.post_attention_layernorm.add_forward(self.tp.all_reduce(attn), residual)
+        return self.tp.all_reduce(self.mlp(h)), residual, selection
 
 
 class Backbone(nn.Module):
@@ -116,6 +124,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
         cos, sin = self.rotary(batch.positions, x.dtype)
         ctx = StepContext(batch, cos, sin, kv_pool, layout, ops)
         selection: Selection | None = None
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            x, selection = layer(x, ctx, selection)
-        return self.model.norm(x[batch.logits_rows])
+            x, residual, selection = layer(x, residual, ctx, selection)
+        rows = batch.logits_rows
+        return self.model.norm(x[rows] if residual is None else x[rows] + residual[rows])

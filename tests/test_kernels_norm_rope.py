@@ -13,7 +13,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from engine.layers import RMSNorm, apply_rope  # noqa: E402
-from kernels.rmsnorm import rmsnorm  # noqa: E402
+from kernels.rmsnorm import add_rmsnorm, rmsnorm  # noqa: E402
 from kernels.rope import rope  # noqa: E402
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -33,6 +33,21 @@ def test_rmsnorm_equals_the_module(dtype: torch.dtype) -> None:
     head_norm = RMSNorm(32, 1e-6).to(dtype)
     head_norm.weight.data = norm.weight.data[:32].clone()
     torch.testing.assert_close(rmsnorm(heads, head_norm.weight, 1e-6), head_norm(heads), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_rmsnorm_equals_the_add_then_the_module(dtype: torch.dtype) -> None:
+    """The residual stream's sum is the dtype's own add bit for bit; its norm equals the module's."""
+    gen = torch.Generator().manual_seed(1)
+    x, residual = ((torch.randn(6, 80, generator=gen) * 3).to(dtype) for _ in range(2))
+    norm = RMSNorm(80, 1e-6).to(dtype)
+    norm.weight.data = (torch.rand(80, generator=gen) + 0.5).to(dtype)
+    got, total = add_rmsnorm(x, residual, norm.weight, norm.eps)
+    assert torch.equal(total, x + residual) and got.dtype == dtype
+    torch.testing.assert_close(got, norm(x + residual), **TOL[dtype])
+    want, want_total = norm.add_forward(x, residual)  # the CPU form the model runs off the GPU
+    assert torch.equal(want_total, total)
+    torch.testing.assert_close(got, want, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

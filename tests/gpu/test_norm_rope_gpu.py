@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.layers import RMSNorm, apply_rope
-from kernels.rmsnorm import rmsnorm
+from kernels.rmsnorm import add_rmsnorm, rmsnorm
 from kernels.rope import rope
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -23,6 +23,19 @@ def test_rmsnorm_bf16(rows: int, width: int, dim: int) -> None:
     norm.weight.data = weight.float()
     want = norm(x.float()).bfloat16()
     torch.testing.assert_close(rmsnorm(x, weight, 1e-5), want, **BF16)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_add_rmsnorm_bf16(rows: int) -> None:
+    """The residual sum is torch's bf16 add bit for bit, its norm within one rounding of float32."""
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x, residual = ((torch.randn(rows, 6144, device="cuda", generator=gen) * 4).bfloat16() for _ in range(2))
+    weight = (torch.rand(6144, device="cuda", generator=gen) + 0.5).bfloat16()
+    got, total = add_rmsnorm(x, residual, weight, 1e-5)
+    assert torch.equal(total, x + residual)
+    norm = RMSNorm(6144, 1e-5).cuda().float()
+    norm.weight.data = weight.float()
+    torch.testing.assert_close(got, norm(total.float()).bfloat16(), **BF16)
 
 
 @pytest.mark.parametrize("interleaved", [True, False])
