@@ -50,8 +50,6 @@ class HiSparseArgs(_Section):
     """Hot-buffer slots per demoted request; None = twice the model's top-K; at least top-K."""
     promote_free_fraction: float = Field(0.25, ge=0, lt=1)
     """A demoted request moves back to the GPU only if this share of the GPU pool stays free."""
-    mirror_from_fraction: float = Field(0.5, ge=0, le=1)
-    """hybrid copies completed pages to host ahead of pressure once requests hold this share of the GPU pool."""
 
 
 class AttentionArgs(_Section):

@@ -220,6 +220,6 @@ class Scheduler:
             self.kv.cache_full_pages(s.request)
         residency = self.kv.residency
         if residency is not None and residency.config.traits.mirrors_ahead:
-            residency.mirror_step([(s.request, s.request.num_computed_tokens - s.num_new_tokens,
-                                    s.request.num_computed_tokens)
-                                   for s in out.scheduled if not s.request.is_finished])
+            residency.mirroring.mirror_step([(s.request, s.request.num_computed_tokens - s.num_new_tokens,
+                                              s.request.num_computed_tokens)
+                                             for s in out.scheduled if not s.request.is_finished])

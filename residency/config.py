@@ -36,10 +36,6 @@ class HiSparseConfig:
     hot_rows: int | None = None  # hot slots per demoted request; None = 2 x index_topk
     offload_pool_gib: float = 0.0  # separate host budget for indexer pages of waiting requests
     promote_free_fraction: float = 0.25  # re-promote only if this share of the GPU pool stays free
-    # Policies that mirror ahead start once this share of the GPU pool is held by requests: below it no page
-    # is about to leave the GPU, and a step's mirror copies (host work and PCIe) would be spent for nothing.
-    # Pages completed meanwhile are caught up whole when mirroring starts.
-    mirror_from_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -52,8 +48,6 @@ class HiSparseConfig:
             raise ValueError("hot_rows must be positive")
         if not 0.0 <= self.promote_free_fraction < 1.0:
             raise ValueError("promote_free_fraction must be in [0, 1)")
-        if not 0.0 <= self.mirror_from_fraction <= 1.0:
-            raise ValueError("mirror_from_fraction must be in [0, 1]")
 
     @property
     def traits(self) -> PolicyTraits:

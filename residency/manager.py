@@ -68,20 +68,6 @@ class ResidencyManager:
     def mirror_backlog(self) -> int:
         return self.mirroring.backlog
 
-    def mirror_step(self, steps: list[tuple[PagedRequest, int, int]]) -> None:
-        """After a forward, under policies that mirror ahead: mirrors what it wrote (see `Mirroring.mirror_step`)
-        once requests hold `mirror_from_fraction` of the GPU pool; below that only completes finished copies
-        and keeps the host tables as long as the GPU tables. A request's pages completed before mirroring
-        starts are caught up whole by its first mirrored step."""
-        cache = self.gpu_cache
-        held = cache.pool.num_pages - cache.num_available
-        if held >= self.config.mirror_from_fraction * cache.pool.num_pages:
-            self.mirroring.mirror_step(steps)
-            return
-        self.mirroring.poll()
-        for req, _, _ in steps:
-            align(req)
-
     # --- demotion and promotion ----------------------------------------------------
 
     def demotable(self, req: PagedRequest) -> list[int]:

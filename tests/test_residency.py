@@ -130,7 +130,7 @@ def _run_until(engine: LLMEngine, predicate, limit: int = 400) -> None:  # noqa:
 
 
 def test_demote_promote_round_trip_is_byte_identical(tiny_dir: Path) -> None:
-    engine = _engine(tiny_dir, "hybrid", pages=40, mirror_from_fraction=0.0)
+    engine = _engine(tiny_dir, "hybrid", pages=40)
     engine.add_request("a", _prompt(300, 1), greedy(50))
     req = engine.scheduler.waiting[0]
     residency = engine.residency
@@ -166,7 +166,7 @@ def test_swap_round_trip_is_byte_identical(tiny_dir: Path) -> None:
 
 
 def test_abort_in_every_state_frees_everything(tiny_dir: Path) -> None:
-    engine = _engine(tiny_dir, "hybrid", pages=40, mirror_from_fraction=0.0)
+    engine = _engine(tiny_dir, "hybrid", pages=40)
     prompts = {"mixed": _prompt(300, 3), "waiting": _prompt(50, 4)}
     engine.add_request("mixed", prompts["mixed"], greedy(40))
     req = engine.scheduler.waiting[0]
@@ -188,7 +188,7 @@ def test_abort_in_every_state_frees_everything(tiny_dir: Path) -> None:
 
 def test_next_turn_finds_its_prefix_on_host(tiny_dir: Path) -> None:
     """Turn 2 of a conversation reuses turn 1's pages from host after the GPU copies are gone."""
-    hs = HiSparseConfig(policy="hybrid", host_pool_gib=0.05, mirror_from_fraction=0.0)
+    hs = HiSparseConfig(policy="hybrid", host_pool_gib=0.05)
     engine = make_engine(tiny_dir, num_gpu_pages=40, hisparse=hs)
     per_page = engine.kv.indexer_page_tokens
     turn1 = _prompt(per_page + 100, 9)
@@ -247,8 +247,8 @@ def test_hybrid_parks_instead_of_preempting_when_demotion_is_not_enough(tiny_dir
 
 def test_new_rows_are_mirrored_after_every_forward(tiny_dir: Path) -> None:
     """Every computed row of every layer has its host copy once the step that wrote it ends, so a
-    page is demotable the moment it completes (mirroring from the first page on)."""
-    engine = _engine(tiny_dir, "hybrid", pages=40, mirror_from_fraction=0.0)
+    page is demotable the moment it completes."""
+    engine = _engine(tiny_dir, "hybrid", pages=40)
     engine.add_request("a", _prompt(100, 3), greedy(60))
     req = engine.scheduler.waiting[0]
     residency, layout = engine.residency, engine.layout
@@ -267,29 +267,6 @@ def test_new_rows_are_mirrored_after_every_forward(tiny_dir: Path) -> None:
                 assert torch.equal(layout.mla_layer_view(host, layer)[host_page, tokens], on_gpu)
         assert residency.demotable(req) == list(range(max(computed // 64 - 1, 0)))
     assert residency.stats.rows_mirrored > 0
-    assert_pages_released(engine)
-    assert residency.host.num_in_use() == 0
-
-
-def test_mirroring_starts_once_the_pool_fills(tiny_dir: Path) -> None:
-    """With the default watermark a request alone in a roomy pool is not mirrored (no host copies, no
-    rows moved: `hybrid` then costs what `off` costs); once requests hold half the pool its completed
-    pages are caught up whole and become demotable, and every page ends with its host copy."""
-    engine = _engine(tiny_dir, "hybrid", pages=40)
-    residency = engine.residency
-    assert residency.config.mirror_from_fraction == 0.5
-    engine.add_request("a", _prompt(300, 11), greedy(30))
-    req = engine.scheduler.waiting[0]
-    for _ in range(3):
-        engine.step()
-    assert req.num_computed_tokens > 128 and len(req.host_pages) == len(req.mla_pages)
-    assert all(p is None for p in req.host_pages) and residency.stats.rows_mirrored == 0
-    assert residency.demotable(req) == []
-    engine.add_request("b", _prompt(1000, 12), greedy(4))  # with "a" over half of the 40 pages
-    _run_until(engine, lambda: len(residency.demotable(req)) >= 3)
-    assert residency.demotable(req) == list(range(req.num_computed_tokens // 64 - 1))
-    while engine.has_unfinished():
-        engine.step()
     assert_pages_released(engine)
     assert residency.host.num_in_use() == 0
 

@@ -105,8 +105,8 @@ def test_split_model_matches_single_rank_under_pressure(
 
 @pytest.fixture(scope="module")
 def split_hybrid(tiny_dir: Path):  # noqa: ANN201 - yields the engine
-    """Two ranks (mp) with a host tier and a roomy pool, mirroring from the first page."""
-    hs = HiSparseConfig(policy="hybrid", host_pool_gib=0.05, mirror_from_fraction=0.0)
+    """Two ranks (mp) with a host tier and a roomy pool."""
+    hs = HiSparseConfig(policy="hybrid", host_pool_gib=0.05)
     engine = make_engine(tiny_dir, num_gpu_pages=40, hisparse=hs, tensor_parallel_size=2)
     yield engine
     engine.shutdown()
