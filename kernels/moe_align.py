@@ -29,8 +29,8 @@ from kernels.fp8_gemm import _interpreting
 
 ID_DTYPES = (torch.int32, torch.int64)
 ALIGN_CHUNK = 128  # slots per program of the multi-program alignment (prefill chunks)
-SMALL_ALIGN = 256  # up to this many slots one program aligns them all (H200: 6.6 us at 9 slots, 11 at 72,
-# 20 at 252 against 21-22 us for the two launches; these win from about 288 slots)
+SMALL_ALIGN = 256  # up to this many slots one program aligns them all (H200, two warps: 4.6 us at 9 slots,
+# 7.9 at 72, 12.8 at 252, against 21-22 us for the two launches)
 
 
 class MoEAlignment(NamedTuple):
@@ -255,8 +255,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     if n <= SMALL_ALIGN:
         _align_small_kernel[(1,)](
             topk_ids, sorted_ids, eob, num_padded, n, num_experts, max_padded, max_blocks, k, si, sj,
-            BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, SUB=64, TAIL=1024, PAD=16,
-            num_warps=4,
+            BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, SUB=16 if n <= 16 else 64,
+            TAIL=1024, PAD=16, num_warps=2,
         )
         return MoEAlignment(sorted_ids, eob, num_padded)
     block_e = max(32, triton.next_power_of_2(num_experts))
