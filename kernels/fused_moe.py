@@ -27,7 +27,7 @@ float32 in slot order (deterministic), then written in x.dtype.
 Launches (`fused_moe`):
 1. `moe_align`: token slots s = t*k + j grouped by expert, each expert's run
    padded to a multiple of BLOCK_M with the sentinel T*k (one Triton launch for
-   T*k <= 128, else a count launch and a scatter launch; stable: slots ascend
+   T*k <= 256, else a count launch and a scatter launch; stable: slots ascend
    within an expert).
 2. gate/up: one program per (block of BLOCK_M sorted slots, BLOCK_N columns of
    I); it reads the block's expert, gathers the token rows, multiplies by the

@@ -3,7 +3,7 @@ normalised and scaled weights, and the shared expert appended as one more slot.
 
 `engine.layers.Router` does this in about twenty PyTorch operations (two to three top-k, a scatter, masks,
 gathers, sums), each a launch of a few microseconds at decode batch sizes. Here one program per token
-holds its E scores in registers: groups rank by the sum of their two best biased scores (the first
+(one warp) holds its E scores in registers: groups rank by the sum of their two best biased scores (the first
 `topk_group` groups win, ties to the lower group), then the `top_k` best biased scores inside them (ties to
 the lower expert) are the experts; their weights are the unbiased sigmoid scores, divided by their sum
 (plus 1e-20) when `normalise`, times `scale`. With `shared_slot` >= 0 a last column routes every token to
@@ -27,12 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_gemm import _num_sms
+
 
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden, k_per_split,
-                          stride_xt, stride_we, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr):
-    """part[s, t, e] = sum over k in split s of x[t, k] * w[e, k], in float32 (dots at PRECISION)."""
+                          stride_xt, stride_we, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[s, t, e] = sum over k in split s of x[t, k] * w[e, k], in float32 (tf32x3 dots)."""
     pe, pt, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -46,7 +47,7 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidde
                     mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + (k0 + offs_k)[None, :],
                     mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
     out = part_ptr + (split * num_tokens + offs_t.to(tl.int64))[:, None] * num_experts + offs_e[None, :]
     tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
 
@@ -106,15 +107,14 @@ SELECT_WARPS = 1  # one warp per token: its reductions stay in shuffles (H200: 3
 ROUTER_PARTIAL_TOKENS = 32  # up to this many tokens the partial-sum kernel beats cuBLAS (H200, 256 x 6144)
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, num_sms: int | None = None) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, H] (any float dtype) and the float32 router weight [E, H] -> partial logits [S, T, E] float32
     whose sum over S is x.float() @ weight.T; S is chosen so about two programs run per SM."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     if weight.shape[1] != hidden or weight.dtype != torch.float32 or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("router_logits needs x [T, H] and a float32 weight [E, H], both with unit last stride")
-    if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    num_sms = _num_sms(x.device)
     tiles = triton.cdiv(num_experts, _ROUTER_TILE) * triton.cdiv(max(t, 1), _ROUTER_TILE)
     blocks = triton.cdiv(hidden, _ROUTER_K)
     splits = max(1, min(triton.cdiv(2 * num_sms, tiles), blocks // 2, 16))
@@ -125,7 +125,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, num_sms: int | None = N
         grid = (triton.cdiv(num_experts, _ROUTER_TILE), triton.cdiv(t, _ROUTER_TILE), splits)
         _router_logits_kernel[grid](x, weight, parts, t, num_experts, hidden, k_per_split, x.stride(0),
                                     weight.stride(0), BLOCK_T=_ROUTER_TILE, BLOCK_E=_ROUTER_TILE,
-                                    BLOCK_K=_ROUTER_K, PRECISION="tf32x3", num_warps=4)
+                                    BLOCK_K=_ROUTER_K, num_warps=4)
     return parts
 
 
