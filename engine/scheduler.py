@@ -72,7 +72,7 @@ class Scheduler:
 
     def swap_out(self, req: Request) -> bool:
         """Moves `req` to host whole (offload policy); False when the host tier cannot take it."""
-        if self.kv.residency is None or not self.kv.residency.swap_out(req):
+        if self.kv.residency is None or not self.kv.residency.swapping.swap_out(req):
             return False
         self.running.remove(req)
         req.status = RequestStatus.SWAPPED
@@ -162,7 +162,8 @@ class Scheduler:
             total = req.num_computed_tokens + num_new
             growth = max(-(-total // self.kv.page_size) - len(req.mla_pages), 0)
             growth += max(-(-total // self.kv.indexer_page_tokens) - len(req.host_indexer_pages), 0)
-            if residency.swap_in_cost(req) + growth > self.kv.num_available or not residency.swap_in(req):
+            swapping = residency.swapping
+            if swapping.swap_in_cost(req) + growth > self.kv.num_available or not swapping.swap_in(req):
                 break
             self.swapped.popleft()
             if not self.kv.allocate(req, total):

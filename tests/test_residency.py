@@ -240,7 +240,7 @@ def test_hybrid_parks_instead_of_preempting_when_demotion_is_not_enough(tiny_dir
         stats = engine.stats()
         outcomes[offload_gib] = (stats["swaps"], stats["preemptions"])
         assert_pages_released(engine)
-        assert engine.residency.host.num_in_use() == 0 and engine.residency.parked_indexer_pages == 0
+        assert engine.residency.host.num_in_use() == 0 and engine.residency.swapping.parked_indexer_pages == 0
     assert outcomes[0.01][0] > 0 and outcomes[0.01][1] == 0  # parked, never recomputed
     assert outcomes[0.0][1] > 0  # no budget for indexer pages: preempted
 
