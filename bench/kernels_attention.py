@@ -10,7 +10,7 @@ runs under CUDA graphs too), achieved GB/s
 (bytes of selected MLA rows, or of indexer rows scored), the share of the HBM
 copy bandwidth measured in the same run (device-to-device copy, bytes read plus
 written), and the speed-up over the PyTorch twin (triton.testing.do_bench, L2 flushed) where
-the twin fits in memory; for the indexer also scoring plus torch.topk.
+the twin fits in memory; for the indexer also scoring plus the top-K kernel (`kernels.topk`).
 A few tile configurations are tried at B=64 and the best is used for all B.
 Prints a table last and writes it, with the full log, under $OUT (or bench/out).
 

@@ -17,6 +17,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
+from kernels.topk import topk_positions_ref
 
 # Query rows processed together by the PyTorch path: bounds the gathered rows held at once.
 _ROW_CHUNK = 256
@@ -115,9 +116,9 @@ class TorchAttentionOps:
             index_scores = torch.einsum("nh,nht->nt", weights[part].float(), scores)
             visible = torch.arange(ctx, device=q.device)[None, :] < limits[part, None]
             index_scores = index_scores.masked_fill(~visible, float("-inf"))
-            # A stable sort breaks ties (ReLU makes exact zeros common) by position, the same way
-            # whatever the chunking or batching, so chunked prefill selects what one-shot selects.
-            positions[part] = index_scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+            # Ties (ReLU makes exact zeros common) go to the smaller position, the same way whatever the
+            # chunking or batching, so chunked prefill selects what one-shot selects; ascending positions.
+            positions[part] = topk_positions_ref(index_scores, k)
         return TopK(positions, torch.clamp(limits, max=k))
 
     def sparse_mla(

@@ -16,23 +16,12 @@ from engine.forward_batch import ForwardBatch
 from kernels.fp8_pack import pack_indexer_rows_into, pack_mla_rows_into
 from kernels.indexer import indexer_scores
 from kernels.sparse_mla import sparse_mla
+from kernels.topk import topk_positions
 
-# Indexer scores selected at once. The stable sort needs about 32 bytes per score beside the 4 of
-# the score itself (sorted keys, int64 indices, their double buffers: 2.4 GiB measured on an H200
-# for 2**26 scores): 2**25 keeps the selection near 1.2 GiB, inside the activation reserve.
+# Indexer scores held at once (float32): bounds the scoring buffer of a long prefill chunk.
 _SCORE_ELEMENTS = 1 << 25
 # Query rows of one scoring launch at most (the kernel's grid limit).
 _MAX_LAUNCH_ROWS = 65535
-
-
-def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices [n, k] of the k largest scores of each row, ties broken by position.
-
-    torch.topk breaks ties arbitrarily (and differently for different shapes), while ReLU makes
-    exact ties common (a zero score): a stable sort makes the choice independent of chunking and
-    batching, and equal to the PyTorch ops' choice.
-    """
-    return scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
 
 
 class TritonAttentionOps(TorchAttentionOps):
@@ -73,8 +62,8 @@ class TritonAttentionOps(TorchAttentionOps):
                 q[part], weights[part], view, page_table, row_to_req[part], row_ctx32[part], limits32[part],
                 kv_format=self.layout.kv_format, scale=scale, topk=topk, max_ctx=max_ctx,
             )
-            positions[part] = stable_topk(scores, width)
-        # Past its own context, a request shorter than the width gets invisible positions from the sort;
+            topk_positions(scores, width, out=positions[part])
+        # Past its own context, a request shorter than the width gets invisible positions from the top-K;
         # the PyTorch ops leave those columns 0.
         columns = torch.arange(width, device=q.device)[None, :]
         positions.masked_fill_(columns >= row_ctx[:, None], 0)

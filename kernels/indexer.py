@@ -15,11 +15,11 @@ dot), in the query dtype for bf16 rows, and in IEEE float32 for float32 queries.
 At most 65535 query rows per launch (grid limit).
 
 Top-K: `positions[n, :counts[n]]` are the positions of the counts[n] =
-min(K, L) largest scores, in no particular order (ties broken arbitrarily);
-entries at and after counts[n] are unspecified (values in [0, max(max_ctx, K)),
-never read by consumers). This first version scores with a Triton kernel into a
-[N, max(max_ctx, K)] float32 buffer and selects with `torch.topk`; a row with
-L < K selects exactly positions 0..L-1. No host synchronisation, shapes depend
+min(K, L) largest scores, in ascending position order, ties to the smaller
+position; entries at and after counts[n] are padding (values in
+[0, max(max_ctx, K)), never read by consumers). The scores go into a
+[N, max(max_ctx, K)] float32 buffer and `kernels.topk` selects in one launch; a
+row with L < K selects exactly positions 0..L-1. No host synchronisation, shapes depend
 only on tensor shapes: the whole call is CUDA-graph capturable.
 
 Contents: `indexer_scores_ref` / `indexer_topk_ref` (PyTorch twins), the
@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels import fp8_rows
+from kernels.topk import topk_positions, topk_positions_ref
 
 KV_FORMATS = ("fp8", "bf16", "float32")
 
@@ -73,11 +74,14 @@ def _visible(ctx_lens: torch.Tensor, limits: torch.Tensor, max_ctx: int) -> torc
     return torch.clamp(torch.minimum(ctx_lens, limits), 0, max_ctx).to(torch.int32)
 
 
-def _select(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> IndexerTopK:
-    """Top-K of each score row; rows with fewer than K visible positions take 0..K-1."""
-    idx = torch.topk(scores, topk, dim=1, sorted=False).indices.to(torch.int32)
-    fill = torch.arange(topk, dtype=torch.int32, device=scores.device)[None, :]
-    positions = torch.where(visible[:, None] >= topk, idx, fill)
+def _select(scores: torch.Tensor, visible: torch.Tensor, topk: int, kernel: bool) -> IndexerTopK:
+    """Top-K of each score row (`kernels.topk`); rows with fewer than K visible positions take 0..K-1, since
+    every position past a row's visible length scores -inf and ties go to the smaller position."""
+    if kernel:
+        positions = topk_positions(scores, topk, out=torch.empty(scores.shape[0], topk, dtype=torch.int32,
+                                                                 device=scores.device))
+    else:
+        positions = topk_positions_ref(scores, topk).to(torch.int32)
     return IndexerTopK(positions, torch.clamp(visible, max=topk))
 
 
@@ -125,7 +129,7 @@ def indexer_topk_ref(
     scores = indexer_scores_ref(q, weights, kv, page_table, row_to_req, ctx_lens, limits,
                                 kv_format=kv_format, scale=scale, topk=topk, max_ctx=max_ctx)
     max_ctx = page_table.shape[1] * kv.shape[1] if max_ctx is None else max_ctx
-    return _select(scores, _visible(ctx_lens, limits, max_ctx), topk)
+    return _select(scores, _visible(ctx_lens, limits, max_ctx), topk, kernel=False)
 
 
 # --- Triton kernel -------------------------------------------------------------------
@@ -286,8 +290,8 @@ def indexer_topk(
     row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
     kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
 ) -> IndexerTopK:
-    """Triton scoring then torch.topk: q [N, Hi, Di], weights [N, Hi] -> IndexerTopK."""
+    """Triton scoring then the top-K kernel: q [N, Hi, Di], weights [N, Hi] -> IndexerTopK."""
     scores = indexer_scores(q, weights, kv, page_table, row_to_req, ctx_lens, limits,
                             kv_format=kv_format, scale=scale, topk=topk, max_ctx=max_ctx, config=config)
     max_ctx = page_table.shape[1] * kv.shape[1] if max_ctx is None else max_ctx
-    return _select(scores, _visible(ctx_lens, limits, max_ctx), topk)
+    return _select(scores, _visible(ctx_lens, limits, max_ctx), topk, kernel=True)

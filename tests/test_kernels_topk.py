@@ -1,0 +1,79 @@
+"""The indexer's top-K kernel (`kernels.topk`) against its twin (a stable descending sort).
+
+Runs under the interpreter (TRITON_INTERPRET=1, set before triton is imported)
+on rows shaped like the indexer's scores: ReLU-weighted sums with many exact
+ties (0.0 and -0.0, repeated values), -inf past a row's visible length, widths
+that are not a multiple of the kernel's 2,048-score step, K from 1 to the
+whole row. The positions must equal the twin's exactly: the set a stable sort
+chooses, in ascending position order. The GPU run at the indexer's real widths
+is tests/gpu/test_topk_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+from kernels.topk import topk_positions, topk_positions_ref  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_active():
+    if not isinstance(tl.sum, InterpretedFunction):
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; set it before any import")
+
+
+def indexer_like(rows: int, width: int, seed: int) -> torch.Tensor:
+    """Scores with the indexer's features: a third exact zeros (some -0.0), values repeated from a small
+    set, a few large ones, -inf past each row's visible length (row 0 sees everything)."""
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.randint(-4, 9, (rows, width), generator=gen).float() / 4
+    s = torch.where(s < 0, torch.zeros_like(s), s)
+    s[torch.rand(rows, width, generator=gen) < 0.1] = -0.0
+    s += (torch.rand(rows, width, generator=gen) < 0.05) * torch.randn(rows, width, generator=gen) * 100
+    visible = torch.randint(1, width + 1, (rows,), generator=gen)
+    visible[0] = width
+    s[torch.arange(width)[None, :] >= visible[:, None]] = float("-inf")
+    return s
+
+
+@pytest.mark.parametrize("rows, width, k", [
+    (3, 300, 64),
+    (2, 5000, 2048),  # three steps of 2,048 scores, the last partial
+    (4, 130, 130),  # K = the whole row
+    (2, 77, 1),
+])
+def test_topk_matches_stable_sort(rows, width, k):
+    scores = indexer_like(rows, width, seed=rows * width + k)
+    got = topk_positions(scores, k)
+    want = topk_positions_ref(scores, k)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+def test_topk_signed_values_and_int32_out():
+    """Negative scores (a negative head weight), -0.0 against 0.0, a row of -inf only; into a view."""
+    gen = torch.Generator().manual_seed(5)
+    scores = torch.randn(3, 600, generator=gen)
+    scores[1, ::3] = -0.0
+    scores[1, 1::3] = 0.0
+    scores[2] = float("-inf")
+    buf = torch.full((3, 40), -7, dtype=torch.int32)
+    out = topk_positions(scores, 32, out=buf[:, :32])
+    assert torch.equal(out.long(), topk_positions_ref(scores, 32))
+    assert torch.equal(out[2], torch.arange(32, dtype=torch.int32)), "all -inf: the first K positions"
+    assert (buf[:, 32:] == -7).all(), "nothing written past K"
+
+
+def test_topk_rejects_bad_input():
+    scores = torch.zeros(2, 10)
+    for bad in (lambda: topk_positions(scores, 11), lambda: topk_positions(scores, 0),
+                lambda: topk_positions(scores.half(), 2), lambda: topk_positions(scores[0], 2),
+                lambda: topk_positions(scores, 2, out=torch.empty(2, 3, dtype=torch.int64))):
+        with pytest.raises(ValueError):
+            bad()
