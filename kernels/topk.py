@@ -6,16 +6,19 @@ scores the smaller position is taken first (the choice a stable descending sort
 makes, so it does not depend on chunking or batching; ReLU makes exact ties, a
 zero score, common). -0.0 counts as equal to 0.0; NaN is out of scope.
 
-One program per row:
-1. Radix select: each score maps to a 32-bit key whose unsigned order is the
-   float order; four passes over the row, each a 256-bin histogram of one key
-   byte among the keys that share the bytes fixed so far, find the K-th largest
-   key T and how many keys equal to T are taken (the first ones by position).
-2. Compaction: one more pass writes the positions with key > T, and the first
-   of those equal to T, in position order (a running prefix count).
-No sort, no host synchronisation, shapes fixed by (R, K): CUDA-graph
-capturable. Contents: the PyTorch twin `topk_positions_ref` and the launcher
-`topk_positions`.
+Rows up to MAX_KERNEL_WIDTH scores (a decode step's indexer rows up to a 10K
+context, with the width bucket) take one program each, the row held in
+registers:
+1. Each score maps to a 32-bit key whose unsigned order is the float order.
+   The K-th largest key T is found bit by bit from the top: 32 steps, each
+   counting the keys at or above the candidate (a compare and a sum per key;
+   histograms were slower: the indexer's many equal scores collide on one bin).
+2. Compaction: the keys above T, and the first (by position) of those equal to
+   T, are written in position order (prefix sums).
+Wider rows take the PyTorch form (a stable sort, then the K positions sorted),
+which is the twin. No host synchronisation, shapes fixed by (R, K): CUDA-graph
+capturable. Contents: the twin `topk_positions_ref`, the kernel and the
+launcher `topk_positions`.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import triton.language as tl
 
 from kernels.fp8_gemm import _interpreting
 
-BLOCK = 2048  # scores per step of a pass
+MAX_KERNEL_WIDTH = 16384  # scores a row may have for the kernel (held in registers); wider rows sort
 
 
 def topk_positions_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -50,42 +53,24 @@ def _keys(s):
 @triton.jit(do_not_specialize=["width", "k"])
 def _topk_kernel(scores_ptr, out_ptr, width, k, stride_s, stride_o, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    row = scores_ptr + r * stride_s
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros([], dtype=tl.uint32)
-    fixed = tl.zeros([], dtype=tl.uint32)  # mask of the key bits decided so far
-    remaining = k  # keys still to take among those matching the prefix
-    for p in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * p
-        hist = tl.zeros([256], dtype=tl.int32)
-        for c0 in range(0, width, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            inside = cols < width
-            key = _keys(tl.load(row + cols, mask=inside, other=0.0))
-            match = inside & ((key & fixed) == prefix)
-            digit = ((key >> shift) & 0xFF).to(tl.int32)
-            hist += tl.histogram(tl.where(match, digit, 0), 256)
-            hist -= tl.where(bins == 0, tl.sum((~match).to(tl.int32)), 0)  # non-matching keys were put in bin 0
-        # keys with this byte >= d, for every d (non-increasing in d); the K-th largest has the largest d
-        # whose count still reaches `remaining`
-        at_least = tl.sum(hist) - tl.cumsum(hist, 0) + hist
-        d = tl.sum((at_least >= remaining).to(tl.int32)) - 1
-        remaining -= tl.sum(tl.where(bins == d, at_least - hist, 0))
-        prefix |= d.to(tl.uint32) << shift
-        fixed |= tl.full([], 0xFF, tl.uint32) << shift
-    taken = 0
-    ties = 0
-    for c0 in range(0, width, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        inside = cols < width
-        key = _keys(tl.load(row + cols, mask=inside, other=0.0))
-        tie = inside & (key == prefix)
-        tie_rank = ties + tl.cumsum(tie.to(tl.int32), 0) - 1
-        take = (inside & (key > prefix)) | (tie & (tie_rank < remaining))
-        place = taken + tl.cumsum(take.to(tl.int32), 0) - 1
-        tl.store(out_ptr + r * stride_o + place, cols.to(out_ptr.dtype.element_ty), mask=take)
-        taken += tl.sum(take.to(tl.int32))
-        ties += tl.sum(tie.to(tl.int32))
+    cols = tl.arange(0, BLOCK)
+    inside = cols < width
+    # key 0 lies below every real key (-inf's is 0x007fffff), so the padding is never counted or taken
+    key = tl.where(inside, _keys(tl.load(scores_ptr + r * stride_s + cols, mask=inside, other=0.0)), 0)
+    kth = tl.zeros([], dtype=tl.uint32)  # the largest T with at least k keys >= T, one bit at a time
+    for b in tl.static_range(32):
+        candidate = kth | tl.full([], 1 << (31 - b), tl.uint32)
+        at_least = tl.sum(tl.where(key >= candidate, 1.0, 0.0))  # float32 counts are exact here; bool sums pack bits
+        kth = tl.where(at_least >= k, candidate, kth)
+    above = key > kth
+    tie = key == kth
+    # one prefix sum counts both kinds before each position: keys above T in the low 16 bits, ties above them
+    before = tl.cumsum(tl.where(above, 1, 0) + tl.where(tie, 1 << 16, 0), 0)
+    ties_to_take = k - tl.sum(tl.where(above, 1, 0))
+    tie_rank = (before >> 16) - 1
+    take = above | (tie & (tie_rank < ties_to_take))
+    place = (before & 0xFFFF) + tl.minimum(before >> 16, ties_to_take) - 1
+    tl.store(out_ptr + r * stride_o + place, cols.to(out_ptr.dtype.element_ty), mask=take)
 
 
 def _check(scores: torch.Tensor, k: int, kernel: bool) -> None:
@@ -99,17 +84,23 @@ def _check(scores: torch.Tensor, k: int, kernel: bool) -> None:
         raise ValueError(f"scores are on {scores.device}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1)")
 
 
-def topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton: [R, K] positions of each row's K largest scores (see the module docstring), int64, or written
-    into `out` (an integer [R, K] tensor, e.g. a view of a larger buffer)."""
+def topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
+                   num_warps: int | None = None) -> torch.Tensor:
+    """[R, K] positions of each row's K largest scores (see the module docstring), int64, or written into `out`
+    (an integer [R, K] tensor, e.g. a view of a larger buffer). `num_warps` overrides the kernel's default."""
     _check(scores, k, kernel=True)
-    rows = scores.shape[0]
+    rows, width = scores.shape
     if out is None:
         out = torch.empty((rows, k), dtype=torch.int64, device=scores.device)
     elif out.shape != (rows, k) or out.dtype not in (torch.int32, torch.int64) or out.stride(1) != 1:
         raise ValueError(f"out must be int32/int64 [{rows}, {k}] with unit last stride, got {tuple(out.shape)} "
                          f"{out.dtype}")
-    if rows:
-        _topk_kernel[(rows,)](scores, out, scores.shape[1], k, scores.stride(0), out.stride(0), BLOCK=BLOCK,
-                              num_warps=8)
+    if rows == 0:
+        return out
+    if width > MAX_KERNEL_WIDTH:
+        out.copy_(topk_positions_ref(scores, k))
+        return out
+    block = triton.next_power_of_2(width)
+    _topk_kernel[(rows,)](scores, out, width, k, scores.stride(0), out.stride(0), BLOCK=block,
+                          num_warps=num_warps or max(4, min(32, block // 512)))
     return out

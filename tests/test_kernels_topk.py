@@ -3,8 +3,8 @@
 Runs under the interpreter (TRITON_INTERPRET=1, set before triton is imported)
 on rows shaped like the indexer's scores: ReLU-weighted sums with many exact
 ties (0.0 and -0.0, repeated values), -inf past a row's visible length, widths
-that are not a multiple of the kernel's 2,048-score step, K from 1 to the
-whole row. The positions must equal the twin's exactly: the set a stable sort
+that are not powers of two, K from 1 to the whole row, and a row too wide for
+the kernel (the sort). The positions must equal the twin's exactly: the set a stable sort
 chooses, in ascending position order. The GPU run at the indexer's real widths
 is tests/gpu/test_topk_gpu.py.
 """
@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kernels.topk import topk_positions, topk_positions_ref  # noqa: E402
+from kernels.topk import MAX_KERNEL_WIDTH, topk_positions, topk_positions_ref  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def indexer_like(rows: int, width: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows, width, k", [
     (3, 300, 64),
-    (2, 5000, 2048),  # three steps of 2,048 scores, the last partial
+    (2, 5000, 2048),
     (4, 130, 130),  # K = the whole row
     (2, 77, 1),
 ])
@@ -68,6 +68,17 @@ def test_topk_signed_values_and_int32_out():
     assert torch.equal(out.long(), topk_positions_ref(scores, 32))
     assert torch.equal(out[2], torch.arange(32, dtype=torch.int32)), "all -inf: the first K positions"
     assert (buf[:, 32:] == -7).all(), "nothing written past K"
+
+
+@pytest.mark.parametrize("num_warps", [1, 8])
+def test_topk_warps(num_warps):
+    scores = indexer_like(3, 1500, seed=9)
+    assert torch.equal(topk_positions(scores, 200, num_warps=num_warps), topk_positions_ref(scores, 200))
+
+
+def test_topk_wide_rows_take_the_sort():
+    scores = indexer_like(2, MAX_KERNEL_WIDTH + 5, seed=3)
+    assert torch.equal(topk_positions(scores, 64), topk_positions_ref(scores, 64))
 
 
 def test_topk_rejects_bad_input():

@@ -1,0 +1,87 @@
+"""Benchmark of the indexer's top-K kernel (`kernels/topk.py`) on one GPU.
+
+K = 2048 of each row of float32 scores shaped like the indexer's (ReLU-weighted
+sums: exact zeros and repeats, -inf past each row's length), at the widths the
+engine scores (an 8K context's 12K bucket, 64K and 128K) and B = 1, 8, 64 rows.
+For each case: the median time per call in a CUDA graph of `topk_positions`
+at a few warp counts (rows wider than `MAX_KERNEL_WIDTH` take its sort), the
+stable sort it replaced (`scores.sort(descending=True, stable=True)`, the engine's
+former selection) and `torch.topk` (ties broken arbitrarily: not usable as is,
+shown for scale), each checked or timed side by side in one run; and the
+floor: the row bytes read once at the HBM copy bandwidth measured in the same
+run. Prints a table last and writes it, with the full log, under $OUT (or
+bench/out).
+
+    python bench/topk.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench.timing import OUT_DIR, bench_graph, hbm_copy_gbs, run_log  # noqa: E402
+from kernels.topk import MAX_KERNEL_WIDTH, topk_positions, topk_positions_ref  # noqa: E402
+
+K = 2048
+CASES = ((1, 8192), (1, 12288), (8, 12288), (64, 12288), (1, 16384), (64, 16384), (1, 131072))
+WARPS = (None, 8, 16, 32)  # None: the launcher's default
+
+log = run_log("topk")
+
+
+def indexer_like(rows: int, width: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    s = torch.relu(torch.randn(rows, width, generator=gen, device="cuda")).mul(64).round().div(64)
+    visible = torch.randint(width // 2, width + 1, (rows,), generator=gen, device="cuda")
+    s[torch.arange(width, device="cuda")[None, :] >= visible[:, None]] = float("-inf")
+    return s
+
+
+def name(warps: int | None) -> str:
+    return "default" if warps is None else f"{warps} warps"
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("SKIP: no CUDA device")
+        return 0
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    hbm = hbm_copy_gbs()
+    rows_out = []
+    for b, width in CASES:
+        scores = [indexer_like(b, width, seed) for seed in range(4)]
+        out = torch.empty(b, K, dtype=torch.int64, device="cuda")
+        times = {}
+        for warps in WARPS if width <= MAX_KERNEL_WIDTH else (None,):
+            topk_positions(scores[0], K, out, num_warps=warps)
+            if not torch.equal(out, topk_positions_ref(scores[0], K)):
+                raise AssertionError(f"{name(warps)} differs from the stable sort at B={b} W={width}")
+            times[name(warps)] = bench_graph([lambda s=s, w=warps: topk_positions(s, K, out, num_warps=w)
+                                              for s in scores]) * 1e3
+            log(f"B={b} W={width} {name(warps)}: {times[name(warps)]:.1f} us")
+        sort_us = bench_graph([lambda s=s: s.sort(dim=-1, descending=True, stable=True).indices[:, :K]
+                               for s in scores]) * 1e3
+        topk_us = bench_graph([lambda s=s: torch.topk(s, K, dim=-1) for s in scores]) * 1e3
+        best = min(times, key=times.get)
+        floor_us = b * width * 4 / hbm / 1e3
+        rows_out.append([b, width, f"{times['default']:.1f}", best, f"{times[best]:.1f}", f"{sort_us:.1f}",
+                         f"{topk_us:.1f}", f"{sort_us / times[best]:.1f}x", f"{floor_us:.2f}",
+                         f"{times[best] / floor_us:.0f}x"])
+    header = ["B", "width", "default us", "best warps", "best us", "stable sort us", "torch.topk us",
+              "sort / best", "floor us", "x floor"]
+    table = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    table += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows_out]
+    table.append(f"K = {K}; HBM copy bandwidth in this run: {hbm:.0f} GB/s")
+    text = "\n".join(table)
+    (OUT_DIR / "topk.md").write_text(text + "\n")
+    log("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
