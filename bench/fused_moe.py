@@ -104,12 +104,13 @@ def old_loop(x: torch.Tensor, w: dict, weights: torch.Tensor, ids: torch.Tensor)
 
 def cfg_name(c: FusedMoEConfig) -> str:
     return (f"m{c.block_m}n{c.block_n}k{c.block_k}w{c.num_warps}s{c.num_stages}"
-            f"/n{c.block_n_down}k{c.block_k_down}w{c.num_warps_down}s{c.num_stages_down}" + ("t" if c.swap_ab else ""))
+            f"/n{c.block_n_down}k{c.block_k_down}w{c.num_warps_down}s{c.num_stages_down}" + ("t" if c.swap_ab else "")
+            + (f"/split{c.split_k}" if c.split_k > 1 else ""))
 
 
 def candidates(t: int, fp8: bool) -> list[FusedMoEConfig]:
     """The default, then other tile shapes (decode: 16-row blocks; gate/up and down widths, swapped operands)."""
-    out = [FusedMoEConfig.for_problem(t, K, E, weight_dtype=WDTYPE[fp8])]
+    out = [FusedMoEConfig.for_problem(t, K, E, weight_dtype=WDTYPE[fp8], hidden=H, inter=I)]
     for bn in (16, 32, 64, 128):
         for bnd in (64, 128, 256):
             for swap in (False, True):
@@ -120,6 +121,13 @@ def candidates(t: int, fp8: bool) -> list[FusedMoEConfig]:
         c = FusedMoEConfig(block_m=16, block_n=bn, num_stages=stages)
         if c not in out:
             out.append(c)
+    if t * K <= 64:  # a few tokens: gate/up with H in ranges, down tile widths
+        for bn in (64, 128):
+            for split in (4, 8, 12, 16, 24):
+                for bnd in (64, 128):
+                    c = FusedMoEConfig(block_m=16, block_n=bn, block_n_down=bnd, split_k=split)
+                    if c not in out:
+                        out.append(c)
     if t * K >= 4 * E:
         out.append(FusedMoEConfig(block_m=32, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3))
     return out
@@ -157,7 +165,7 @@ def run_format(fmt: str, tokens, hbm: float, sweep: bool, rows: list) -> None:
                                                                           config=cfg, **w)
                     for r, (tw, ids) in enumerate(routs)]
 
-        default = FusedMoEConfig.for_problem(t, K, E, weight_dtype=WDTYPE[fp8])
+        default = FusedMoEConfig.for_problem(t, K, E, weight_dtype=WDTYPE[fp8], hidden=H, inter=I)
         label = f"{fmt} T={t}"
         ms = bench_graph(calls(default))
         best, best_ms = default, ms

@@ -30,8 +30,13 @@ Launches (`fused_moe`):
    T*k <= 256, else a count launch and a scatter launch; stable: slots ascend
    within an expert).
 2. gate/up: one program per (block of BLOCK_M sorted slots, BLOCK_N columns of
-   I); it reads the block's expert, gathers the token rows, multiplies by the
-   gate and up tiles of that expert and writes silu(gate) * up [max_padded, I].
+   I, K range); it reads the block's expert, gathers the token rows, multiplies
+   by the gate and up tiles of that expert and writes silu(gate) * up
+   [max_padded, I]. At a few tokens the touched experts' tiles are too few to
+   keep the GPU's SMs streaming weights, so `split_k` cuts H into ranges: each
+   range stores its float32 partials (per slot), and the tile's last range to
+   arrive (an atomic counter per tile, as in `kernels.fp8_gemm`) adds them in
+   range order (deterministic) and finishes the tile.
 3. down: one program per (block, BLOCK_N columns of H); multiplies by the
    routing weight and writes each slot's row of [T*k, H].
 4. a sum over the k slots of each token into out [T, H].
@@ -53,9 +58,14 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_gemm import (
+    _DEFAULT_SMS,
     FP8_BLOCK,
+    Fp8Activations,
+    _arrival_counters,
     _interpreting,
+    _num_sms,
     _soft_cvt,
+    _take_quantized,
     dequantize_weight_blocks,
     quantize_activations,
     quantize_activations_ref,
@@ -67,6 +77,7 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _W_DTYPES = _ACT_DTYPES + (torch.float8_e4m3fn,)
 _COMPUTE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _MAX_GRID_Y = 65535
+SPLIT_PROGRAMS_PER_SM = 1  # gate/up programs per SM that the K split aims for at a few tokens (H200 sweep)
 
 
 @dataclass(frozen=True)
@@ -83,23 +94,41 @@ class FusedMoEConfig:
     num_warps_down: int = 4
     num_stages_down: int = 4
     swap_ab: bool = False  # weight rows on the MMA's M side, tokens on its N side (small blocks)
+    split_k: int = 1  # gate/up: ranges of H per tile; > 1: float32 partials summed by the tile's last range
 
     @classmethod
     def for_problem(cls, num_tokens: int, top_k: int, num_experts: int, *,
-                    weight_dtype: torch.dtype = torch.bfloat16) -> "FusedMoEConfig":
-        """Defaults for T tokens with k slots over E experts: vLLM's H200 tiles for E=256, I=256 as the start,
-        decode tiles from `python bench/fused_moe.py --sweep` on an H200 (bench/RESULTS.md, 2026-11-30)."""
+                    weight_dtype: torch.dtype = torch.bfloat16, hidden: int = 0, inter: int = 0,
+                    num_sms: int = _DEFAULT_SMS) -> "FusedMoEConfig":
+        """Defaults for T tokens with k slots over E experts (hidden H and intermediate I, when given, size the
+        gate/up K split): vLLM's H200 tiles for E=256, I=256 as the start, decode tiles from
+        `python bench/fused_moe.py --sweep` on an H200 (bench/RESULTS.md)."""
         if weight_dtype == torch.float32:  # IEEE float32 dots (tests): small tiles, two stages fit in shared memory
             return cls(block_m=16, block_n=32, block_n_down=64, num_stages=2, num_stages_down=2)
         rows_per_expert = num_tokens * top_k / max(num_experts, 1)
         if rows_per_expert >= 24:  # prefill: blocks are mostly full, compute matters
             return cls(block_m=64, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3)
-        # decode: memory-bound on the touched experts' weights; few experts touched -> narrower gate/up
-        # tiles so that enough programs stream weights at once
-        if num_tokens * top_k <= 64:
-            return cls(block_m=16, block_n=32, block_n_down=128, num_stages=4, num_stages_down=4)
-        # measured best from T = 8 up (fp8 weights, T = 64: 297 against 327 us): shallower pipelines, swapped operands
-        return cls(block_m=16, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3, swap_ab=True)
+        if num_tokens * top_k > 32:
+            # measured best from T = 8 up (fp8 weights, T = 64: 297 against 327 us): shallower pipelines, swapped
+            # operands
+            return cls(block_m=16, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3, swap_ab=True)
+        # a few tokens: memory-bound on the touched experts' weights, which are too few tiles to keep every SM
+        # streaming, so H is split (H200 sweep, fp8, 8 experts at T = 1: 30.8 us against 38.9 unsplit; 128-column
+        # tiles, which could quantise the intermediate in the tile, were slower: 33.5 at their best split)
+        block_n = 64 if weight_dtype == torch.float8_e4m3fn else 32
+        busy_tiles = min(num_experts, num_tokens * top_k) * triton.cdiv(max(inter, 1), block_n)
+        return cls(block_m=16, block_n=block_n, block_n_down=64, num_stages=4, num_stages_down=4,
+                   split_k=cls.split_for(busy_tiles, hidden, num_sms))
+
+    @staticmethod
+    def split_for(busy_tiles: int, hidden: int, num_sms: int = _DEFAULT_SMS) -> int:
+        """Ranges of H so that the busy tiles times the ranges reach about SPLIT_PROGRAMS_PER_SM programs per
+        SM, each range at least two 128-deep K tiles, none empty."""
+        kb = triton.cdiv(hidden, FP8_BLOCK)
+        if kb < 4:
+            return 1
+        split = max(1, min(triton.cdiv(SPLIT_PROGRAMS_PER_SM * num_sms, max(busy_tiles, 1)), kb // 2))
+        return triton.cdiv(kb, triton.cdiv(kb, split))
 
 
 # --- PyTorch twins -------------------------------------------------------------------
@@ -117,10 +146,11 @@ def _fp8_act(v: torch.Tensor) -> torch.Tensor:
 def fused_moe_ref(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
     w13_scale_inv: torch.Tensor | None = None, w2_scale_inv: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, config: FusedMoEConfig | None = None,
+    out: torch.Tensor | None = None, config: FusedMoEConfig | None = None, x_fp8: Fp8Activations | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch fused MoE (a loop over the touched experts, dequantised weights, float32 matmuls, the
-    same roundings as the kernels); `config` is ignored."""
+    same roundings as the kernels); `config` is ignored, and so is `x_fp8` (x is quantised here, to the same
+    values)."""
     fp8 = _check(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, out, kernel=False)
     t, h = x.shape
     k = topk_ids.shape[1]
@@ -192,17 +222,31 @@ def _mma(a, w, acc, a_s, w_s, FP8: tl.constexpr, IEEE: tl.constexpr, SWAP_AB: tl
     return acc
 
 
-@triton.jit(do_not_specialize=["num_slots"])
+@triton.jit
+def _finish_gate_up(acc_g, acc_u, rows, cols, cmask, h_ptr, stride_hm, SOFT_CVT: tl.constexpr, SWAP_AB: tl.constexpr):
+    """silu(gate) * up of one tile into h, in h's dtype (x's)."""
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    out_rows = rows.to(tl.int64) * stride_hm
+    if SWAP_AB:
+        tl.store(h_ptr + out_rows[None, :] + cols[:, None], _cast_out(act, h_ptr, SOFT_CVT), mask=cmask[:, None])
+    else:
+        tl.store(h_ptr + out_rows[:, None] + cols[None, :], _cast_out(act, h_ptr, SOFT_CVT), mask=cmask[None, :])
+
+
+@triton.jit(do_not_specialize=["num_slots", "kb_per_split", "splits"])
 def _gate_up_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_ptr, eob_ptr, npad_ptr, h_ptr,
-    num_slots, top_k, hidden, inter,
-    stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_hm,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_ptr, eob_ptr, npad_ptr, h_ptr, part_ptr, arrivals_ptr,
+    num_slots, top_k, hidden, inter, kb_per_split, splits,
+    stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_ps, stride_pm,
     FP8: tl.constexpr, SOFT_CVT: tl.constexpr, IEEE: tl.constexpr, COMPUTE: tl.constexpr, SWAP_AB: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """h[r, n] = silu(x[tok(r)] . gate_e[n]) * (x[tok(r)] . up_e[n]) for the rows r of one block of expert e."""
+    """h[r, n] = silu(x[tok(r)] . gate_e[n]) * (x[tok(r)] . up_e[n]) for the rows r of one block of expert e
+    (with SPLIT, over one range of H; the tile's last range finishes it)."""
     nt = tl.program_id(0)
     b = tl.program_id(1)
+    split = tl.program_id(2)
     if b * BLOCK_M >= tl.load(npad_ptr):
         return
     e = tl.load(eob_ptr + b)
@@ -223,7 +267,9 @@ def _gate_up_kernel(
     else:
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros_like(acc_g)
-    for k0 in range(0, hidden, BLOCK_K):
+    k_lo = split * kb_per_split * BLOCK_K
+    k_hi = tl.minimum(k_lo + kb_per_split * BLOCK_K, hidden)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kmask = (k0 + kk) < hidden
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & kmask[None, :], other=0.0)
         wg = tl.load(g_ptrs + k0, mask=cmask[:, None] & kmask[None, :], other=0.0)
@@ -240,12 +286,32 @@ def _gate_up_kernel(
             us = gs
         acc_g = _mma(a, wg, acc_g, a_s, gs, FP8, IEEE, SWAP_AB)
         acc_u = _mma(a, wu, acc_u, a_s, us, FP8, IEEE, SWAP_AB)
-    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    out_rows = rows.to(tl.int64) * stride_hm
-    if SWAP_AB:
-        tl.store(h_ptr + out_rows[None, :] + cols[:, None], _cast_out(act, h_ptr, SOFT_CVT), mask=cmask[:, None])
+    if not SPLIT:
+        _finish_gate_up(acc_g, acc_u, rows, cols, cmask, h_ptr, stride_hm, SOFT_CVT, SWAP_AB)
     else:
-        tl.store(h_ptr + out_rows[:, None] + cols[None, :], _cast_out(act, h_ptr, SOFT_CVT), mask=cmask[None, :])
+        # Partials are kept per slot (T*k rows, not the padded blocks): gate columns, then up columns.
+        if SWAP_AB:
+            tile = slot.to(tl.int64)[None, :] * stride_pm + cols[:, None]
+            pmask = cmask[:, None] & valid[None, :]
+        else:
+            tile = slot.to(tl.int64)[:, None] * stride_pm + cols[None, :]
+            pmask = valid[:, None] & cmask[None, :]
+        own = part_ptr + split.to(tl.int64) * stride_ps + tile
+        tl.store(own, acc_g, mask=pmask)
+        tl.store(own + inter, acc_u, mask=pmask)
+        tl.debug_barrier()  # the whole program's partials are stored before the arrival is counted
+        counter = arrivals_ptr + b * tl.num_programs(0) + nt
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if arrived == splits - 1:
+            acc_g = tl.load(part_ptr + tile, mask=pmask, other=0.0, cache_modifier=".cg")
+            acc_u = tl.load(part_ptr + tile + inter, mask=pmask, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                src = part_ptr + s * stride_ps + tile
+                acc_g += tl.load(src, mask=pmask, other=0.0, cache_modifier=".cg")
+                acc_u += tl.load(src + inter, mask=pmask, other=0.0, cache_modifier=".cg")
+            _finish_gate_up(acc_g, acc_u, rows, cols, cmask, h_ptr, stride_hm, SOFT_CVT, SWAP_AB)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -369,6 +435,8 @@ def _check_config(cfg: FusedMoEConfig, fp8: bool) -> None:
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     if cfg.block_m > 256:
         raise ValueError(f"block_m must be at most 256, got {cfg.block_m}")
+    if cfg.split_k < 1:
+        raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
     if fp8 and (cfg.block_k != FP8_BLOCK or cfg.block_k_down != FP8_BLOCK):
         raise ValueError(f"fp8 weights need block_k = block_k_down = {FP8_BLOCK} (one scale block per K tile)")
 
@@ -376,9 +444,10 @@ def _check_config(cfg: FusedMoEConfig, fp8: bool) -> None:
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
     w13_scale_inv: torch.Tensor | None = None, w2_scale_inv: torch.Tensor | None = None,
-    out: torch.Tensor | None = None, config: FusedMoEConfig | None = None,
+    out: torch.Tensor | None = None, config: FusedMoEConfig | None = None, x_fp8: Fp8Activations | None = None,
 ) -> torch.Tensor:
-    """Triton fused MoE: x [T, H] -> [T, H] in x.dtype (optionally into `out`); see the module docstring."""
+    """Triton fused MoE: x [T, H] -> [T, H] in x.dtype (optionally into `out`); see the module docstring.
+    With fp8 weights, `x_fp8` is x's quantisation made by its producer (an RMSNorm), used as is."""
     fp8 = _check(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, out, kernel=True)
     t, h = x.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
@@ -386,14 +455,24 @@ def fused_moe(
     res = torch.empty_like(x) if out is None else out
     if t == 0:
         return res
-    cfg = config or FusedMoEConfig.for_problem(t, k, num_experts, weight_dtype=w13.dtype)
+    cfg = config or FusedMoEConfig.for_problem(t, k, num_experts, weight_dtype=w13.dtype, hidden=h, inter=inter,
+                                               num_sms=_num_sms(x.device))
     _check_config(cfg, fp8)
     sorted_ids, eob, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
     max_padded, max_blocks = sorted_ids.numel(), eob.numel()
     if max_blocks > _MAX_GRID_Y:
         raise ValueError(f"T*k = {t * k} slots need {max_blocks} blocks of {cfg.block_m}, over the grid limit "
                          f"{_MAX_GRID_Y}: use a larger block_m or split the batch")
+    n_tiles = triton.cdiv(inter, cfg.block_n)
+    kb = triton.cdiv(h, cfg.block_k)
+    kb_per_split = triton.cdiv(kb, cfg.split_k)
+    splits = triton.cdiv(kb, kb_per_split)
     act = torch.empty((max_padded, inter), dtype=x.dtype, device=x.device)
+    if splits > 1:
+        partials = torch.empty((splits, t * k, 2 * inter), dtype=torch.float32, device=x.device)
+        arrivals = _arrival_counters(x.device, max_blocks * n_tiles)
+    else:
+        partials = arrivals = act  # unused
     y = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
     soft = _soft_cvt()
     compute = tl.float32 if fp8 else _COMPUTE[w13.dtype]
@@ -403,12 +482,14 @@ def fused_moe(
     s13_strides = w13_scale_inv.stride() if fp8 else (0, 0, 0)
     s2_strides = w2_scale_inv.stride() if fp8 else (0, 0, 0)
     # fp8: activations are quantised once (per token and 128 columns), not in every weight tile that reads them
-    xq, xs = quantize_activations(x) if fp8 else (x, x)
-    _gate_up_kernel[(triton.cdiv(inter, cfg.block_n), max_blocks)](
-        xq, xs, w13, s13, sorted_ids, eob, num_padded, act,
-        t * k, k, h, inter,
+    xq, xs = _take_quantized(x, x_fp8) if fp8 else (x, x)
+    _gate_up_kernel[(n_tiles, max_blocks, splits)](
+        xq, xs, w13, s13, sorted_ids, eob, num_padded, act, partials, arrivals,
+        t * k, k, h, inter, kb_per_split, splits,
         xq.stride(0), xs.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1), *s13_strides, act.stride(0),
+        partials.stride(0) if splits > 1 else 0, partials.stride(1) if splits > 1 else 0,
         FP8=fp8, SOFT_CVT=soft, IEEE=ieee, COMPUTE=compute, SWAP_AB=cfg.swap_ab,
+        SPLIT=splits > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

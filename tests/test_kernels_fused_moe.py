@@ -27,7 +27,12 @@ import torch.nn.functional as F  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kernels.fp8_gemm import dequantize_weight_blocks, quantize_weight_blocks  # noqa: E402
+from kernels.fp8_gemm import (  # noqa: E402
+    Fp8Activations,
+    dequantize_weight_blocks,
+    quantize_activations,
+    quantize_weight_blocks,
+)
 from kernels.fused_moe import FusedMoEConfig, fused_moe, fused_moe_ref  # noqa: E402
 from kernels.moe_align import moe_align, moe_align_ref, moe_align_sizes  # noqa: E402
 
@@ -235,10 +240,26 @@ _C = FusedMoEConfig
     _C(block_m=16, block_n=16, block_n_down=64, swap_ab=True),
     _C(block_m=32, block_n=128, block_n_down=32),
     _C(block_m=64, block_n=32, block_n_down=256, swap_ab=True, num_stages=3),
+    _C(block_m=16, block_n=128, block_n_down=64),
 ])
 def test_fused_moe_configs(fmt, config):
     _, _, _, _, out, ref = run_case(fmt, 21, config=config, seed=1)
     assert_close(out.float(), ref.float(), TWIN_TOL[fmt], "kernel vs twin")
+
+
+@pytest.mark.parametrize("fmt, t, config", [
+    ("fp8", 1, _C(block_m=16, block_n=128, split_k=3)),  # 5 K tiles in ranges of 2, 2, 1
+    ("fp8", 3, _C(block_m=16, block_n=64, split_k=2, swap_ab=True)),
+    ("fp16", 2, _C(block_m=16, block_n=32, split_k=5)),  # one K tile per range
+    ("fp32", 5, _C(block_m=16, block_n=32, block_n_down=64, num_stages=2, split_k=2)),
+])
+def test_fused_moe_split_k(fmt, t, config):
+    """Gate/up with H cut into ranges (a few tokens): the last range of each tile sums the partials; a second
+    call reuses the re-armed arrival counters and gives the same bits."""
+    x, w, weights, ids, out, ref = run_case(fmt, t, h=640, config=config, seed=3)
+    assert_close(out.float(), ref.float(), TWIN_TOL[fmt], "kernel vs twin")
+    again = fused_moe(x, **w, topk_weights=weights, topk_ids=ids, config=config)
+    assert torch.equal(again, out), "a second call differs"
 
 
 def test_fused_moe_small_k_tiles():
@@ -266,6 +287,11 @@ def test_fused_moe_defaults_and_empty():
     assert FusedMoEConfig.for_problem(1, 8, 256).block_m == 16
     assert FusedMoEConfig.for_problem(2048, 8, 256).block_m == 64
     assert FusedMoEConfig.for_problem(2048, 8, 256, weight_dtype=torch.float32).num_stages == 2
+    # one token of a GLM-5.3 rank (8 routed + the shared expert, H = 6144, I = 256): 9 experts x 4 tiles of 64
+    # columns are 36 programs, so H is cut into 4 ranges of 12 K tiles (144 programs for 132 SMs)
+    one = FusedMoEConfig.for_problem(1, 9, 257, weight_dtype=torch.float8_e4m3fn, hidden=6144, inter=256)
+    assert (one.block_n, one.split_k) == (64, 4)
+    assert FusedMoEConfig.for_problem(4, 9, 257, weight_dtype=torch.float8_e4m3fn, hidden=6144).split_k == 1
 
 
 def test_fused_moe_rejects_bad_inputs():
@@ -301,3 +327,10 @@ def test_fused_moe_rejects_bad_inputs():
             pytest.fail(f"bad input {i} accepted")
     with pytest.raises(ValueError):
         fused_moe_ref(x, q["w13"], q["w2"], weights, ids)
+
+
+def test_fused_moe_takes_the_producers_quantisation():
+    """fp8 experts fed x's quantisation by its producer (an RMSNorm) give the bits of quantising x inside."""
+    x, w, weights, ids, out, _ = run_case("fp8", 4, x_dtype=torch.bfloat16, seed=4)
+    given = fused_moe(x, **w, topk_weights=weights, topk_ids=ids, x_fp8=Fp8Activations(*quantize_activations(x)))
+    assert torch.equal(given, out)
