@@ -16,20 +16,24 @@ from torch import nn
 from engine.linear import WeightFormat, make_linear
 from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
-from kernels.fp8_gemm import FP8_BLOCK
+from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations
 from kernels.fused_moe import fused_moe, fused_moe_ref
-from kernels.rmsnorm import add_rmsnorm, rmsnorm
+from kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_fp8
 from kernels.rope import rope
 from kernels.router import ROUTER_PARTIAL_TOKENS, route, router_logits
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as the reference does (one kernel on a GPU)."""
+    """RMSNorm computed in float32 and cast back, as the reference does (one kernel on a GPU).
 
-    def __init__(self, dim: int, eps: float) -> None:
+    `fp8_out`: the norm feeds FP8 linears, so on a GPU `forward_fp8` also writes their quantised input.
+    """
+
+    def __init__(self, dim: int, eps: float, fp8_out: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fp8_out = fp8_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dtype == self.weight.dtype:
@@ -46,6 +50,17 @@ class RMSNorm(nn.Module):
             return add_rmsnorm(x, residual, self.weight, self.eps)
         total = x + residual
         return self(total), total
+
+    def forward_fp8(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, Fp8Activations | None]:
+        """(norm(s), s or None without a residual, norm(s) quantised for FP8 GEMMs or None) for s = x (+ residual):
+        one kernel on a GPU when the norm feeds FP8 linears; elsewhere those quantise it themselves."""
+        if (self.fp8_out and x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype
+                and (residual is None or residual.dtype == x.dtype)):
+            return rmsnorm_fp8(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self(x), None, None
+        return *self.add_forward(x, residual), None
 
 
 class RotaryEmbedding(nn.Module):
@@ -101,8 +116,8 @@ class MLP(nn.Module):
         self.up_proj = make_linear(hidden, intermediate, fmt.is_fp8("up_proj"))
         self.down_proj = make_linear(intermediate, hidden, fmt.is_fp8("down_proj"))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Activations | None = None) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x, x_fp8)) * self.up_proj(x, x_fp8))
 
 
 class Router(nn.Module):
@@ -171,10 +186,11 @@ class StackedExperts(nn.Module):
             scale = torch.ones(num_experts, blocks, intermediate // FP8_BLOCK, dtype=torch.float32)
             self.w2_scale_inv = nn.Parameter(scale, requires_grad=False)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                x_fp8: Fp8Activations | None = None) -> torch.Tensor:
         moe = fused_moe if x.is_cuda else fused_moe_ref
         scales = {"w13_scale_inv": self.w13_scale_inv, "w2_scale_inv": self.w2_scale_inv} if self.fp8 else {}
-        return moe(x, self.w13, self.w2, weights, ids, **scales)
+        return moe(x, self.w13, self.w2, weights, ids, **scales, x_fp8=x_fp8 if self.fp8 else None)
 
 
 class MoE(nn.Module):
@@ -199,7 +215,7 @@ class MoE(nn.Module):
             self.shared_experts = MLP(cfg.hidden_size, expert * cfg.n_shared_experts, fmt)
         self.shared_slot = cfg.n_routed_experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Activations | None = None) -> torch.Tensor:
         if self.fold_shared:
-            return self.experts(x, *self.gate(x, self.shared_slot))
-        return self.experts(x, *self.gate(x)) + self.shared_experts(x)
+            return self.experts(x, *self.gate(x, self.shared_slot), x_fp8)
+        return self.experts(x, *self.gate(x), x_fp8) + self.shared_experts(x, x_fp8)

@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import FP8_BLOCK, fp8_block_linear, fp8_block_linear_ref
+from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations, fp8_block_linear, fp8_block_linear_ref
 
 # Projections that stay plain even in an FP8 model: kv_b_proj is used in its absorbed form (its key and
 # value halves multiply queries and outputs per head), the indexer's head weights and the router are
@@ -52,11 +52,22 @@ class Fp8Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(
             torch.ones(_blocks(out_features), _blocks(in_features), dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Activations | None = None) -> torch.Tensor:
+        """`x_fp8`: x already quantised by its producer (an RMSNorm), so the GEMM skips that launch."""
         gemm = fp8_block_linear if x.is_cuda else fp8_block_linear_ref
-        return gemm(x, self.weight, self.weight_scale_inv)
+        return gemm(x, self.weight, self.weight_scale_inv, x_fp8=x_fp8)
 
 
-def make_linear(in_features: int, out_features: int, fp8: bool) -> nn.Module:
+class PlainLinear(nn.Linear):
+    """A bias-free linear layer in the compute dtype, called like `Fp8Linear` (a quantised x is not needed)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor, x_fp8: Fp8Activations | None = None) -> torch.Tensor:
+        return super().forward(x)
+
+
+def make_linear(in_features: int, out_features: int, fp8: bool) -> Fp8Linear | PlainLinear:
     """A bias-free linear layer, FP8 block-scaled when `fp8`."""
-    return Fp8Linear(in_features, out_features) if fp8 else nn.Linear(in_features, out_features, bias=False)
+    return Fp8Linear(in_features, out_features) if fp8 else PlainLinear(in_features, out_features)

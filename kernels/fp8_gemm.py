@@ -50,6 +50,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -63,6 +64,15 @@ HW_FP8_CVT = True  # GPU: fp32 -> e4m3 by the hardware conversion; False: intege
 
 _IN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DEFAULT_SMS = 132  # H200; used off-GPU (interpreter) so configs match the GPU's
+
+
+class Fp8Activations(NamedTuple):
+    """Activations quantised per token and 128-column group, as `quantize_activations` makes them. A kernel
+    that already holds x in registers (an RMSNorm) writes them beside x, and the FP8 GEMMs reading x take
+    them instead of quantising x again (one launch fewer per linear)."""
+
+    q: torch.Tensor  # [M, K] float8_e4m3fn
+    scales: torch.Tensor  # [M, ceil(K/128)] float32
 
 
 def _interpreting() -> bool:
@@ -173,9 +183,10 @@ def _dequantize_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 
 
 def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                         out_dtype: torch.dtype | None = None, *, config: FP8GemmConfig | None = None) -> torch.Tensor:
+                         out_dtype: torch.dtype | None = None, *, config: FP8GemmConfig | None = None,
+                         x_fp8: Fp8Activations | None = None) -> torch.Tensor:
     """Plain PyTorch twin: quantise x with `quantize_activations_ref`, dequantise both operands, one
-    float32 matmul (TF32 off for the call); `config` is ignored."""
+    float32 matmul (TF32 off for the call); `config` and `x_fp8` (the same values) are ignored."""
     _check(x, weight, weight_scale_inv, out_dtype or x.dtype, kernel=False)
     k = x.shape[-1]
     q, s = quantize_activations_ref(x.reshape(-1, k))
@@ -401,10 +412,25 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def _take_quantized(x2: torch.Tensor, x_fp8: Fp8Activations | None) -> Fp8Activations:
+    """x2's quantisation: the one given (checked against x2's shape) or a new one."""
+    if x_fp8 is None:
+        return Fp8Activations(*quantize_activations(x2))
+    m, k = x2.shape
+    q, s = x_fp8
+    if (q.shape != (m, k) or q.dtype != torch.float8_e4m3fn or q.stride(1) != 1 or s.dtype != torch.float32
+            or s.shape != (m, _blocks(k)) or s.stride(1) != 1 or q.device != x2.device or s.device != x2.device):
+        raise ValueError(f"x_fp8 must be e4m3 [{m}, {k}] and float32 scales [{m}, {_blocks(k)}] beside x, got "
+                         f"{tuple(q.shape)} {q.dtype} and {tuple(s.shape)} {s.dtype}")
+    return x_fp8
+
+
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                     out_dtype: torch.dtype | None = None, *, config: FP8GemmConfig | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, *, config: FP8GemmConfig | None = None,
+                     x_fp8: Fp8Activations | None = None) -> torch.Tensor:
     """Triton: x [..., K] @ dequant(weight [N, K])^T -> [..., N] in out_dtype (default x.dtype), x
-    quantised per token and 128-column group on the fly, float32 accumulation."""
+    quantised per token and 128-column group on the fly (or taken from `x_fp8`, x's quantisation made by
+    its producer), float32 accumulation."""
     out_dtype = out_dtype or x.dtype
     _check(x, weight, weight_scale_inv, out_dtype)
     n, k = weight.shape
@@ -416,7 +442,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         return out.reshape(*lead, n)
     cfg = config or _default_config(m, n, k, _num_sms(x.device))
     _check_config(cfg)
-    a, a_s = quantize_activations(x2)
+    a, a_s = _take_quantized(x2, x_fp8)
     nb = _blocks(k)
     kb_per_split = triton.cdiv(nb, cfg.split_k)
     splits = triton.cdiv(nb, kb_per_split)

@@ -11,6 +11,11 @@ Rows may be strided (a split of a wider projection); the last dimension must be 
 `add_rmsnorm` also adds the residual stream first (x + residual rounded to the input dtype, as a bf16 add
 is) and returns the sum beside its norm: a decoder layer's two residual adds each feed a norm, so the add
 costs no launch of its own.
+
+With `fp8=True` the launch also writes the norm quantised for FP8 GEMMs (`kernels.fp8_gemm.Fp8Activations`,
+per row and 128-column group, bit for bit what `quantize_activations` makes of the norm): a norm whose
+consumers are FP8 linears (the latent projections, q_b_proj and the indexer's wq_b, the experts) then
+saves each of them its quantisation launch.
 """
 
 from __future__ import annotations
@@ -19,10 +24,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations, _quantize_groups, _soft_cvt
+
+_CHUNK = 1024  # columns written per program (GLM-5.3's 6144-wide norms: 6 programs a row)
+
 
 @triton.jit
-def _rmsnorm_kernel(x_ptr, r_ptr, sum_ptr, w_ptr, out_ptr, x_row_stride, r_row_stride, out_row_stride, dim, eps,
-                    BLOCK: tl.constexpr, ADD: tl.constexpr):
+def _rmsnorm_kernel(x_ptr, r_ptr, sum_ptr, w_ptr, out_ptr, q_ptr, s_ptr, x_row_stride, r_row_stride, out_row_stride,
+                    s_row_stride, dim, eps, BLOCK: tl.constexpr, CHUNK: tl.constexpr, ADD: tl.constexpr,
+                    QUANT: tl.constexpr, SOFT_CVT: tl.constexpr):
+    """Program (row, c): the row's mean square from the whole row, then columns [c * CHUNK, (c + 1) * CHUNK)
+    normalised (and added, and quantised): a wide row's writes and quantisation spread over several SMs."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
@@ -30,17 +42,29 @@ def _rmsnorm_kernel(x_ptr, r_ptr, sum_ptr, w_ptr, out_ptr, x_row_stride, r_row_s
     if ADD:
         r = tl.load(r_ptr + row * r_row_stride + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        tl.store(sum_ptr + row * out_row_stride + offs, x, mask=mask)
     xf = x.to(tl.float32)
-    mean_sq = tl.sum(xf * xf, 0) / dim
-    h = (xf * tl.math.rsqrt(mean_sq + eps)).to(x.dtype)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    out = (h.to(tl.float32) * w.to(tl.float32)).to(x.dtype)
-    tl.store(out_ptr + row * out_row_stride + offs, out, mask=mask)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
+    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    cmask = cols < dim
+    xc = tl.load(x_ptr + row * x_row_stride + cols, mask=cmask, other=0.0)
+    if ADD:
+        rc = tl.load(r_ptr + row * r_row_stride + cols, mask=cmask, other=0.0)
+        xc = (xc.to(tl.float32) + rc.to(tl.float32)).to(xc.dtype)
+        tl.store(sum_ptr + row * out_row_stride + cols, xc, mask=cmask)
+    h = (xc.to(tl.float32) * rstd).to(xc.dtype)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0)
+    out = (h.to(tl.float32) * w.to(tl.float32)).to(xc.dtype)
+    tl.store(out_ptr + row * out_row_stride + cols, out, mask=cmask)
+    if QUANT:  # the norm as FP8 GEMM input: groups of 128 columns (masked columns are 0, as the padding is)
+        GROUPS: tl.constexpr = CHUNK // 128
+        q, scale = _quantize_groups(tl.reshape(out.to(tl.float32), [GROUPS, 128]), SOFT_CVT)
+        tl.store(q_ptr + row * out_row_stride + cols, tl.reshape(q, [CHUNK]), mask=cmask)
+        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        tl.store(s_ptr + row * s_row_stride + g, scale, mask=g * 128 < dim)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, fp8: bool
+            ) -> tuple[torch.Tensor, torch.Tensor | None, Fp8Activations | None]:
     dim = x.shape[-1]
     if weight.shape != (dim,) or weight.dtype != x.dtype or x.stride(-1) != 1:
         raise ValueError("rmsnorm needs weight [D] of x's dtype and a contiguous last dimension")
@@ -51,24 +75,42 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
         if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
             raise ValueError("the residual must be shaped and typed as x, with a contiguous last dimension")
         res_rows, total = residual.reshape(-1, dim), torch.empty_like(out)
+    quant = None
+    if fp8:
+        quant = Fp8Activations(torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=x.device),
+                               torch.empty((rows.shape[0], -(-dim // FP8_BLOCK)), dtype=torch.float32,
+                                           device=x.device))
     if rows.shape[0]:
-        block = triton.next_power_of_2(dim)
-        _rmsnorm_kernel[(rows.shape[0],)](
+        block = max(FP8_BLOCK, triton.next_power_of_2(dim))
+        chunk = min(block, _CHUNK)
+        _rmsnorm_kernel[(rows.shape[0], triton.cdiv(dim, chunk))](
             rows, rows if residual is None else res_rows, out if total is None else total, weight, out,
-            rows.stride(0), 0 if residual is None else res_rows.stride(0), out.stride(0), dim, eps, BLOCK=block,
-            ADD=residual is not None, num_warps=max(1, min(16, block // 256)))
-    return out.view(x.shape), None if total is None else total.view(x.shape)
+            out if quant is None else quant.q, out if quant is None else quant.scales,
+            rows.stride(0), 0 if residual is None else res_rows.stride(0), out.stride(0),
+            0 if quant is None else quant.scales.stride(0), dim, eps, BLOCK=block, CHUNK=chunk,
+            ADD=residual is not None, QUANT=fp8, SOFT_CVT=_soft_cvt(), num_warps=max(1, min(16, block // 256)))
+    return out.view(x.shape), None if total is None else total.view(x.shape), quant
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension of x [..., D] (rows may be strided) with weight [D]; a new
     contiguous tensor of x's dtype."""
-    return _launch(x, weight, eps, None)[0]
+    return _launch(x, weight, eps, None, False)[0]
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm of s, s) for s = x + residual rounded to x's dtype, in one launch; both new tensors."""
-    out, total = _launch(x, weight, eps, residual)
+    out, total, _ = _launch(x, weight, eps, residual, False)
     assert total is not None
     return out, total
+
+
+def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, Fp8Activations]:
+    """(norm, x + residual or None, the norm quantised for FP8 GEMMs) in one launch; x is [T, D]."""
+    if x.dim() != 2:
+        raise ValueError(f"rmsnorm_fp8 takes rows [T, D], got {tuple(x.shape)}")
+    out, total, quant = _launch(x, weight, eps, residual, True)
+    assert quant is not None
+    return out, total, quant

@@ -13,7 +13,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from engine.layers import RMSNorm, apply_rope  # noqa: E402
-from kernels.rmsnorm import add_rmsnorm, rmsnorm  # noqa: E402
+from kernels.fp8_gemm import fp8_block_linear, quantize_activations, quantize_weight_blocks  # noqa: E402
+from kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_fp8  # noqa: E402
 from kernels.rope import rope  # noqa: E402
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -80,3 +81,24 @@ def test_bad_shapes_are_refused() -> None:
         rmsnorm(x, torch.ones(7), 1e-6)
     with pytest.raises(ValueError):
         rope(x, torch.ones(4, 3), torch.ones(4, 3), 8, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dim", [256, 200])  # whole 128-column groups, and a partial last group
+def test_rmsnorm_fp8_writes_the_gemm_input_a_linear_would_make(dtype: torch.dtype, dim: int) -> None:
+    """The norm's FP8 copy is bit for bit what the GEMM's own quantisation makes of the norm, so an FP8 linear
+    fed it gives the same output as one that quantises the norm itself; with a residual, the sum too."""
+    gen = torch.Generator().manual_seed(dim)
+    x, residual = ((torch.randn(4, dim, generator=gen) * 3).to(dtype) for _ in range(2))
+    weight = (torch.rand(dim, generator=gen) + 0.5).to(dtype)
+    out, total, quant = rmsnorm_fp8(x, weight, 1e-6, residual)
+    want, want_total = add_rmsnorm(x, residual, weight, 1e-6)
+    assert torch.equal(out, want) and torch.equal(total, want_total)
+    q, scales = quantize_activations(out)
+    assert torch.equal(quant.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(quant.scales, scales)
+    w, ws = quantize_weight_blocks(torch.randn(64, dim, generator=gen))
+    assert torch.equal(fp8_block_linear(out, w, ws, x_fp8=quant), fp8_block_linear(out, w, ws))
+    plain, none, _ = rmsnorm_fp8(x, weight, 1e-6)
+    assert none is None and torch.equal(plain, rmsnorm(x, weight, 1e-6))
+    with pytest.raises(ValueError):
+        fp8_block_linear(out[:2], w, ws, x_fp8=quant)  # a quantisation of other rows is refused
