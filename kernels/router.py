@@ -18,7 +18,9 @@ order by the selection launch. The dots run as three TF32 products (`tf32x3`: th
 head and tail; bf16 activations are exact in TF32), within float32 rounding of the IEEE product (2-3e-6
 absolute at GLM-5.3's shapes against cuBLAS, as IEEE dots in another order) on tensor cores: 7 us at 1-8
 tokens and 13 us at 32 on an H200, where cuBLAS takes 6-19 us and IEEE dots in Triton 17-32 us. From
-`ROUTER_PARTIAL_TOKENS` up cuBLAS is faster and computes the logits whole.
+`ROUTER_PARTIAL_TOKENS` up cuBLAS is faster and computes the logits whole. Up to `ROUTER_FMA_TOKENS` tokens
+the partial sums are IEEE float32 products summed in registers, one token per program (no mostly empty
+16-row dot tiles).
 """
 
 from __future__ import annotations
@@ -50,6 +52,26 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidde
         acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
     out = part_ptr + (split * num_tokens + offs_t.to(tl.int64))[:, None] * num_experts + offs_e[None, :]
     tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
+
+
+@triton.jit
+def _router_logits_fma_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden, k_per_split, stride_xt,
+                              stride_we, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[s, t, e] as `_router_logits_kernel`, one token per program, IEEE float32 products summed in
+    registers (a token or two: a 16-row dot tile would be mostly padding)."""
+    pe, t, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_k = tl.arange(0, BLOCK_K)
+    emask = offs_e < num_experts
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    k_end = tl.minimum(split * k_per_split + k_per_split, hidden)
+    for k0 in range(split * k_per_split, k_end, BLOCK_K):
+        kmask = (k0 + offs_k) < k_end
+        x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + k0 + offs_k, mask=kmask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + (k0 + offs_k)[None, :],
+                    mask=emask[:, None] & kmask[None, :], other=0.0)
+        acc += tl.sum(w * x[None, :], 1)
+    tl.store(part_ptr + (split * num_tokens + t).to(tl.int64) * num_experts + offs_e, acc, mask=emask)
 
 
 @triton.jit
@@ -105,23 +127,34 @@ _ROUTER_TILE = 16  # tokens and experts per program (the float32 dot's smallest 
 _ROUTER_K = 128
 SELECT_WARPS = 1  # one warp per token: its reductions stay in shuffles (H200: 3.3 us against 4.9 with four)
 ROUTER_PARTIAL_TOKENS = 32  # up to this many tokens the partial-sum kernel beats cuBLAS (H200, 256 x 6144)
+ROUTER_FMA_TOKENS = 2  # up to this many tokens the partial sums are float32 products in registers, not dots
+_FMA_MAX_SPLITS = 64  # K ranges of those (GLM-5.3: 48 of 128 columns, 768 programs of one 16 x 128 tile)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, H] (any float dtype) and the float32 router weight [E, H] -> partial logits [S, T, E] float32
-    whose sum over S is x.float() @ weight.T; S is chosen so about two programs run per SM."""
+    whose sum over S is x.float() @ weight.T; S is chosen so about two programs run per SM (a token or two:
+    one program per 128-column tile)."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     if weight.shape[1] != hidden or weight.dtype != torch.float32 or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("router_logits needs x [T, H] and a float32 weight [E, H], both with unit last stride")
     num_sms = _num_sms(x.device)
-    tiles = triton.cdiv(num_experts, _ROUTER_TILE) * triton.cdiv(max(t, 1), _ROUTER_TILE)
+    fma = t <= ROUTER_FMA_TOKENS
+    tiles = triton.cdiv(num_experts, _ROUTER_TILE) * (max(t, 1) if fma else triton.cdiv(max(t, 1), _ROUTER_TILE))
     blocks = triton.cdiv(hidden, _ROUTER_K)
-    splits = max(1, min(triton.cdiv(2 * num_sms, tiles), blocks // 2, 16))
+    if fma:  # every weight tile loaded at once, one per program: a single memory round trip
+        splits = min(blocks, _FMA_MAX_SPLITS)
+    else:
+        splits = max(1, min(triton.cdiv(2 * num_sms, tiles), blocks // 2, 16))
     k_per_split = triton.cdiv(blocks, splits) * _ROUTER_K
     splits = triton.cdiv(hidden, k_per_split)
     parts = torch.empty(splits, t, num_experts, dtype=torch.float32, device=x.device)
-    if t:
+    if t and fma:
+        grid = (triton.cdiv(num_experts, _ROUTER_TILE), t, splits)
+        _router_logits_fma_kernel[grid](x, weight, parts, t, num_experts, hidden, k_per_split, x.stride(0),
+                                        weight.stride(0), BLOCK_E=_ROUTER_TILE, BLOCK_K=_ROUTER_K, num_warps=4)
+    elif t:
         grid = (triton.cdiv(num_experts, _ROUTER_TILE), triton.cdiv(t, _ROUTER_TILE), splits)
         _router_logits_kernel[grid](x, weight, parts, t, num_experts, hidden, k_per_split, x.stride(0),
                                     weight.stride(0), BLOCK_T=_ROUTER_TILE, BLOCK_E=_ROUTER_TILE,

@@ -44,7 +44,7 @@ def test_bad_routing_is_refused() -> None:
         route(torch.zeros(2, 12), torch.zeros(12), 1, 1, 2, True, 1.0)  # 12 experts: not a power of two
 
 
-@pytest.mark.parametrize(("tokens", "experts", "hidden"), [(1, 256, 1024), (21, 40, 700), (3, 16, 200)])
+@pytest.mark.parametrize(("tokens", "experts", "hidden"), [(1, 256, 1024), (2, 64, 300), (21, 40, 700), (3, 16, 200)])
 def test_router_logits_sum_to_the_float32_product(tokens: int, experts: int, hidden: int) -> None:
     """The partial sums over K ranges add up to x.float() @ W.T (bf16 activations, a float32 weight, edge tiles
     in tokens, experts and K), and routing on the partials picks what routing on their sum picks."""
