@@ -26,7 +26,8 @@ from engine.layers import RMSNorm, rotate
 from engine.linear import WeightFormat, make_linear
 from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
-from kernels.fp8_gemm import FP8_BLOCK
+from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations
+from kernels.mla_query import mla_query
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,13 @@ class Indexer(nn.Module):
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rotate(x, cos, sin, self.cfg.qk_rope_head_dim, self.cfg.rope_interleave)
 
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, ctx: StepContext, full_index: int) -> Selection:
+    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, ctx: StepContext, full_index: int,
+                x_fp8: Fp8Activations | None = None, q_fp8: Fp8Activations | None = None) -> Selection:
+        """`x_fp8` / `q_fp8`: x and q_latent quantised by the norms that made them (FP8 weights on a GPU)."""
         cfg = self.cfg
         batch, cos, sin, layout, ops = ctx.batch, ctx.cos, ctx.sin, ctx.layout, ctx.ops
-        q = self._rope(self.wq_b(q_latent).view(-1, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)
+        q = self._rope(self.wq_b(q_latent, q_fp8).view(-1, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
+        k = self._rope(self.k_norm(self.wk(x, x_fp8)), cos, sin)
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * cfg.index_n_heads**-0.5
 
         ops.write_indexer_rows(ctx.kv_pool, full_index, batch.indexer_write_slots, k)
@@ -76,11 +79,12 @@ class Indexer(nn.Module):
 
         topk = cfg.index_topk
         chosen = ops.indexer_topk(q, weights, view, batch, topk, cfg.index_head_dim**-0.5, full_index)
-        # Contexts shorter than K select fewer positions: pad to [T, K] (entries past lens are never read).
-        positions = torch.zeros(batch.num_rows, topk, dtype=torch.long, device=x.device)
-        positions[:, : chosen.positions.shape[1]] = chosen.positions
+        positions = chosen.positions
+        if positions.shape[1] < topk:  # contexts shorter than K: pad to [T, K] (entries past lens are never read)
+            positions = torch.zeros(batch.num_rows, topk, dtype=torch.long, device=x.device)
+            positions[:, : chosen.positions.shape[1]] = chosen.positions
         lens = chosen.counts
-        return Selection(batch.resolve_selection(full_index, positions, lens), lens)
+        return Selection(*ops.selection_indices(batch.resolve_selection(full_index, positions, lens), lens))
 
 
 def fuses_latent_projections(cfg: ModelConfig, fmt: WeightFormat) -> bool:
@@ -106,7 +110,7 @@ class MLAAttention(nn.Module):
         else:
             self.q_a_proj = make_linear(cfg.hidden_size, cfg.q_lora_rank, fmt.is_fp8("q_a_proj"))
             self.kv_a_proj_with_mqa = make_linear(cfg.hidden_size, kv_a, fmt.is_fp8("kv_a_proj_with_mqa"))
-        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, fp8_out=fmt.is_fp8("q_b_proj"))
         self.q_b_proj = make_linear(cfg.q_lora_rank, h * cfg.qk_head_dim, fmt.is_fp8("q_b_proj"))
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
@@ -114,19 +118,21 @@ class MLAAttention(nn.Module):
         self.indexer = Indexer(cfg, fmt) if cfg.indexer_types[layer] == "full" else None
         self.scale = cfg.qk_head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, shared: Selection | None) -> tuple[torch.Tensor, Selection]:
+    def forward(self, x: torch.Tensor, ctx: StepContext, shared: Selection | None,
+                x_fp8: Fp8Activations | None = None) -> tuple[torch.Tensor, Selection]:
+        """`x_fp8`: x quantised by the input norm (FP8 weights on a GPU), read by the latent projections and the
+        indexer's key projection instead of quantising x again."""
         cfg = self.cfg
         batch, cos, sin, layout = ctx.batch, ctx.cos, ctx.sin, ctx.layout
         h, dn, dv, dl = self.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         dr = cfg.qk_rope_head_dim
         if self.fused_latent:
-            q_a, latent, k_rope = self.q_kv_a_proj(x).split([cfg.q_lora_rank, dl, dr], dim=-1)
+            q_a, latent, k_rope = self.q_kv_a_proj(x, x_fp8).split([cfg.q_lora_rank, dl, dr], dim=-1)
         else:
-            q_a = self.q_a_proj(x)
-            latent, k_rope = self.kv_a_proj_with_mqa(x).split([dl, dr], dim=-1)
-        q_latent = self.q_a_layernorm(q_a)
-        q = self.q_b_proj(q_latent).view(-1, h, cfg.qk_head_dim)
-        q_nope, q_rope = q[..., :dn], rotate(q[..., dn:], cos, sin, dr, cfg.rope_interleave)
+            q_a = self.q_a_proj(x, x_fp8)
+            latent, k_rope = self.kv_a_proj_with_mqa(x, x_fp8).split([dl, dr], dim=-1)
+        q_latent, _, q_fp8 = self.q_a_layernorm.forward_fp8(q_a)
+        q = self.q_b_proj(q_latent, q_fp8).view(-1, h, cfg.qk_head_dim)
 
         latent = self.kv_a_layernorm(latent)
         k_rope = rotate(k_rope, cos, sin, dr, cfg.rope_interleave)
@@ -135,15 +141,18 @@ class MLAAttention(nn.Module):
 
         if self.indexer is not None:
             full_index = layout.layer_group[self.layer]
-            selection = self.indexer(x, q_latent, ctx, full_index)
+            selection = self.indexer(x, q_latent, ctx, full_index, x_fp8, q_fp8)
         elif shared is None:
             raise ValueError(f"shared layer {self.layer} has no full indexer layer before it")
         else:
             selection = shared
 
         w = self.kv_b_proj.weight.view(h, dn + dv, dl)
-        q_abs = torch.einsum("thd,hdc->thc", q_nope, w[:, :dn, :])
-        q_cat = torch.cat([q_abs, q_rope], dim=-1)
+        if q.is_cuda:  # the absorbed nope part and the rotated rope part in one launch
+            q_cat = mla_query(q, w[:, :dn, :], cos, sin, dr, cfg.rope_interleave)
+        else:
+            q_abs = torch.einsum("thd,hdc->thc", q[..., :dn], w[:, :dn, :])
+            q_cat = torch.cat([q_abs, rotate(q[..., dn:], cos, sin, dr, cfg.rope_interleave)], dim=-1)
         out_latent = ctx.ops.sparse_mla(q_cat, view, selection.slots, selection.lens, self.scale)
         out = torch.einsum("thc,hvc->thv", out_latent.to(x.dtype), w[:, dn:, :])
         return self.o_proj(out.reshape(-1, h * dv)), selection

@@ -55,6 +55,11 @@ class AttentionOps(Protocol):
         """
         ...
 
+    def selection_indices(self, slots: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A full layer's selected slots and lens in the index dtype `sparse_mla` reads, made once and shared
+        by the layers of its group."""
+        ...
+
     def sparse_mla(
         self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
     ) -> torch.Tensor:
@@ -120,6 +125,9 @@ class TorchAttentionOps:
             # chunking or batching, so chunked prefill selects what one-shot selects; ascending positions.
             positions[part] = topk_positions_ref(index_scores, k)
         return TopK(positions, torch.clamp(limits, max=k))
+
+    def selection_indices(self, slots: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return slots, lens
 
     def sparse_mla(
         self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float

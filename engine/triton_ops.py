@@ -69,11 +69,15 @@ class TritonAttentionOps(TorchAttentionOps):
         positions.masked_fill_(columns >= row_ctx[:, None], 0)
         return TopK(positions, counts)
 
+    def selection_indices(self, slots: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 and contiguous, as the sparse MLA kernel reads them (converted once per group, not per layer)."""
+        return slots.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous()
+
     def sparse_mla(
         self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        layout = self.layout
         """The output in q's dtype: the caller rounds the float32 result to it anyway."""
+        layout = self.layout
         return sparse_mla(
             q.contiguous(), kv_view, slots.to(torch.int32).contiguous(), lens.to(torch.int32).contiguous(),
             kv_format=layout.kv_format, latent_dim=layout.latent_dim, rope_dim=layout.rope_dim, scale=scale,

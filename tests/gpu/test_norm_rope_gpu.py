@@ -52,3 +52,34 @@ def test_rope_bf16(interleaved: bool) -> None:
     want = apply_rope(idx_q[..., :64].float(), cos.float(), sin.float(), interleaved).bfloat16()
     torch.testing.assert_close(got[..., :64], want, **BF16)
     assert torch.equal(got[..., 64:], idx_q[..., 64:])
+
+
+@pytest.mark.parametrize(("rows", "dim"), [(1, 6144), (64, 6144), (8, 2048)])
+def test_rmsnorm_fp8_bf16(rows: int, dim: int) -> None:
+    """The norm's FP8 copy (hardware e4m3 conversion) is bit for bit the GEMM's own quantisation of the norm."""
+    from kernels.fp8_gemm import quantize_activations
+    from kernels.rmsnorm import rmsnorm_fp8
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * dim)
+    x, residual = ((torch.randn(rows, dim, device="cuda", generator=gen) * 4).bfloat16() for _ in range(2))
+    weight = (torch.rand(dim, device="cuda", generator=gen) + 0.5).bfloat16()
+    out, total, quant = rmsnorm_fp8(x, weight, 1e-5, residual)
+    want, want_total = add_rmsnorm(x, residual, weight, 1e-5)
+    assert torch.equal(out, want) and torch.equal(total, want_total)
+    q, scales = quantize_activations(out)
+    assert torch.equal(quant.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(quant.scales, scales)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_mla_query_bf16(rows: int) -> None:
+    """The absorbed query at one rank's GLM-5.3 shapes (8 heads, Dn 192, Dr 64, Dl 512) equals the eager einsum,
+    rotary and concatenation within one bf16 rounding."""
+    from kernels.mla_query import mla_query, mla_query_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    q = torch.randn(rows, 8 * 256, device="cuda", generator=gen).bfloat16().view(rows, 8, 256)
+    w = (torch.randn(8 * 448, 512, device="cuda", generator=gen) * 0.05).bfloat16().view(8, 448, 512)
+    angles = torch.rand(rows, 32, device="cuda", generator=gen) * 6
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    got = mla_query(q, w[:, :192, :], cos, sin, 64, True)
+    torch.testing.assert_close(got, mla_query_ref(q, w[:, :192, :], cos, sin, 64, True), **BF16)
