@@ -27,6 +27,8 @@ from engine.linear import WeightFormat, make_linear
 from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
 from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations
+from kernels.fp8_pack import LatentPrep
+from kernels.mla_output import mla_output
 from kernels.mla_query import mla_query
 
 
@@ -134,9 +136,9 @@ class MLAAttention(nn.Module):
         q_latent, _, q_fp8 = self.q_a_layernorm.forward_fp8(q_a)
         q = self.q_b_proj(q_latent, q_fp8).view(-1, h, cfg.qk_head_dim)
 
-        latent = self.kv_a_layernorm(latent)
-        k_rope = rotate(k_rope, cos, sin, dr, cfg.rope_interleave)
-        ctx.ops.write_mla_rows(ctx.kv_pool, self.layer, batch.mla_write_slots, latent, k_rope)
+        # the latent's norm and the key's rotation are done by the row write (one launch with FP8 rows on a GPU)
+        prep = LatentPrep(self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, cfg.rope_interleave)
+        ctx.ops.write_mla_rows(ctx.kv_pool, self.layer, batch.mla_write_slots, latent, k_rope, prep)
         view = layout.mla_layer_view(ctx.kv_pool, self.layer)
 
         if self.indexer is not None:
@@ -153,6 +155,8 @@ class MLAAttention(nn.Module):
         else:
             q_abs = torch.einsum("thd,hdc->thc", q[..., :dn], w[:, :dn, :])
             q_cat = torch.cat([q_abs, rotate(q[..., dn:], cos, sin, dr, cfg.rope_interleave)], dim=-1)
-        out_latent = ctx.ops.sparse_mla(q_cat, view, selection.slots, selection.lens, self.scale)
-        out = torch.einsum("thc,hvc->thv", out_latent.to(x.dtype), w[:, dn:, :])
+        out_latent = ctx.ops.sparse_mla(q_cat, view, selection.slots, selection.lens, self.scale).to(x.dtype)
+        if out_latent.is_cuda:  # the value absorption written as o_proj's rows in one launch
+            return self.o_proj(mla_output(out_latent, w[:, dn:, :])), selection
+        out = torch.einsum("thc,hvc->thv", out_latent, w[:, dn:, :])
         return self.o_proj(out.reshape(-1, h * dv)), selection

@@ -17,6 +17,8 @@ import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
+from engine.layers import rms_norm, rotate
+from kernels.fp8_pack import LatentPrep
 from kernels.topk import topk_positions_ref
 
 # Query rows processed together by the PyTorch path: bounds the gathered rows held at once.
@@ -32,8 +34,10 @@ class TopK(NamedTuple):
 
 class AttentionOps(Protocol):
     def write_mla_rows(self, kv_pool: torch.Tensor, layer: int, slots: torch.Tensor, latent: torch.Tensor,
-                       rope: torch.Tensor) -> None:
-        """Stores latent [N, Dl] and roped key [N, Dr] as layer `layer`'s rows at `slots` (distinct)."""
+                       rope: torch.Tensor, prep: LatentPrep | None = None) -> None:
+        """Stores latent [N, Dl] and roped key [N, Dr] as layer `layer`'s rows at `slots` (distinct). With
+        `prep` they are kv_a_proj's raw outputs, normalised and rotated first (in the same launch where the
+        kernels allow)."""
         ...
 
     def write_indexer_rows(self, kv_pool: torch.Tensor, full_index: int, slots: torch.Tensor,
@@ -75,7 +79,10 @@ class TorchAttentionOps:
         self.layout = layout
 
     def write_mla_rows(self, kv_pool: torch.Tensor, layer: int, slots: torch.Tensor, latent: torch.Tensor,
-                       rope: torch.Tensor) -> None:
+                       rope: torch.Tensor, prep: LatentPrep | None = None) -> None:
+        if prep is not None:
+            latent = rms_norm(latent, prep.norm_weight, prep.eps)
+            rope = rotate(rope, prep.cos, prep.sin, rope.shape[-1], prep.interleaved)
         view = self.layout.mla_layer_view(kv_pool, layer)
         page = self.layout.page_size
         view[slots // page, slots % page] = self.layout.encode_mla(latent, rope)

@@ -23,6 +23,16 @@ from kernels.rope import rope
 from kernels.router import ROUTER_PARTIAL_TOKENS, route, router_logits
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, times the weight, as the reference does (one kernel on a GPU)."""
+    if x.is_cuda and x.dtype == weight.dtype:
+        return rmsnorm(x, weight, eps)
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back, as the reference does (one kernel on a GPU).
 
@@ -36,12 +46,7 @@ class RMSNorm(nn.Module):
         self.fp8_out = fp8_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dtype == self.weight.dtype:
-            return rmsnorm(x, self.weight, self.eps)
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual stream's add and the norm that follows it, one

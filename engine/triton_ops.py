@@ -13,7 +13,7 @@ import torch
 
 from engine.attention_ops import TopK, TorchAttentionOps
 from engine.forward_batch import ForwardBatch
-from kernels.fp8_pack import pack_indexer_rows_into, pack_mla_rows_into
+from kernels.fp8_pack import LatentPrep, pack_indexer_rows_into, pack_mla_rows_into
 from kernels.indexer import indexer_scores
 from kernels.sparse_mla import sparse_mla
 from kernels.topk import topk_positions
@@ -26,12 +26,14 @@ _MAX_LAUNCH_ROWS = 65535
 
 class TritonAttentionOps(TorchAttentionOps):
     def write_mla_rows(self, kv_pool: torch.Tensor, layer: int, slots: torch.Tensor, latent: torch.Tensor,
-                       rope: torch.Tensor) -> None:
-        """FP8 rows are quantised and stored by one launch (the PyTorch packing is a dozen); others as the twin."""
-        if self.layout.kv_format != "fp8":
-            return super().write_mla_rows(kv_pool, layer, slots, latent, rope)
-        pack_mla_rows_into(latent.contiguous(), rope.contiguous(), kv_pool, slots.contiguous(),
-                           self.layout.mla_placement(layer))
+                       rope: torch.Tensor, prep: LatentPrep | None = None) -> None:
+        """FP8 rows are normalised, rotated (with `prep`), quantised and stored by one launch (the PyTorch
+        packing is a dozen); others as the twin."""
+        if self.layout.kv_format != "fp8" or (prep is not None and prep.norm_weight.dtype != latent.dtype):
+            return super().write_mla_rows(kv_pool, layer, slots, latent, rope, prep)
+        if prep is None:
+            latent, rope = latent.contiguous(), rope.contiguous()
+        pack_mla_rows_into(latent, rope, kv_pool, slots.contiguous(), self.layout.mla_placement(layer), prep)
 
     def write_indexer_rows(self, kv_pool: torch.Tensor, full_index: int, slots: torch.Tensor,
                            keys: torch.Tensor) -> None:

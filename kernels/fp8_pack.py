@@ -73,11 +73,20 @@ def _bf16_bits(x):
 
 
 @triton.jit
+def _round_to(v, DT: tl.constexpr):
+    """float32 v rounded to DT and back (bf16 in integer arithmetic: the interpreter's conversion truncates)."""
+    if DT == tl.bfloat16:
+        return (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
+    return v.to(DT).to(tl.float32)
+
+
+@triton.jit
 def _pack_kernel(
-    x_ptr, rope_ptr, pool_ptr, slots_ptr,
-    x_stride, rope_stride, page_bytes, row_offset, token_stride,
+    x_ptr, rope_ptr, pool_ptr, slots_ptr, norm_ptr, cos_ptr, sin_ptr,
+    x_stride, rope_stride, page_bytes, row_offset, token_stride, eps, table_stride,
     TOKENS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
     NB_P: tl.constexpr, BS_P: tl.constexpr, DR: tl.constexpr, DR_P: tl.constexpr,
+    NORM: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + n).to(tl.int64)
@@ -87,6 +96,10 @@ def _pack_kernel(
     col = tl.arange(0, BS_P)
     mask = (blk[:, None] < NB) & (col[None, :] < BS)
     x = tl.load(x_ptr + n * x_stride + blk[:, None] * BS + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # kv_a_layernorm as kernels.rmsnorm computes it: mean square, scale, round, weight, round
+        rstd = tl.math.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / D + eps)
+        w = tl.load(norm_ptr + blk[:, None] * BS + col[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = _round_to(_round_to(x * rstd, DT) * w, DT)
     amax = tl.max(tl.abs(x), 1)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
     q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
@@ -99,7 +112,20 @@ def _pack_kernel(
 
     if DR > 0:
         r = tl.arange(0, DR_P)
-        rope = tl.load(rope_ptr + n * rope_stride + r, mask=r < DR, other=0.0).to(tl.float32)
+        if ROTATE:  # the key's rotary embedding as kernels.rope orders its output: rotated firsts, then seconds
+            half = DR // 2
+            i = r % half
+            if INTERLEAVED:
+                first, second = 2 * i, 2 * i + 1
+            else:
+                first, second = i, i + half
+            a = tl.load(rope_ptr + n * rope_stride + first, mask=r < DR, other=0.0).to(tl.float32)
+            b = tl.load(rope_ptr + n * rope_stride + second, mask=r < DR, other=0.0).to(tl.float32)
+            c = tl.load(cos_ptr + n * table_stride + i, mask=r < DR, other=0.0).to(tl.float32)
+            sn = tl.load(sin_ptr + n * table_stride + i, mask=r < DR, other=0.0).to(tl.float32)
+            rope = _round_to(tl.where(r < half, a * c - b * sn, b * c + a * sn), DT)
+        else:
+            rope = tl.load(rope_ptr + n * rope_stride + r, mask=r < DR, other=0.0).to(tl.float32)
         two = tl.arange(0, 2)
         rope_bytes = (_bf16_bits(rope)[:, None] >> (8 * two[None, :]).to(tl.uint32)) & 0xFF
         tl.store(row + D + 4 * NB + 2 * r[:, None] + two[None, :], rope_bytes.to(tl.uint8), mask=r[:, None] < DR)
@@ -122,8 +148,22 @@ def _check(values: list[tuple[str, torch.Tensor]], pool: torch.Tensor, slots: to
         raise ValueError(f"{place} does not fit {row_bytes}-byte rows in a {pool.shape[1]}-byte page")
 
 
+class LatentPrep(NamedTuple):
+    """What turns kv_a_proj's raw outputs into an MLA row: the latent's RMSNorm (weight [Dl], eps) and the
+    key's rotary embedding (tables cos / sin [N, Dr/2], pair order), applied by the packing launch."""
+
+    norm_weight: torch.Tensor
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool
+
+
+_DT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
 def _launch(x: torch.Tensor, rope: torch.Tensor | None, pool: torch.Tensor, slots: torch.Tensor,
-            place: RowPlacement, num_blocks: int) -> None:
+            place: RowPlacement, num_blocks: int, prep: LatentPrep | None = None) -> None:
     n, d = x.shape
     dr = 0 if rope is None else rope.shape[1]
     if n == 0:
@@ -131,19 +171,29 @@ def _launch(x: torch.Tensor, rope: torch.Tensor | None, pool: torch.Tensor, slot
     bs = d // num_blocks
     _pack_kernel[(n,)](
         x, x if rope is None else rope, pool, slots,
+        x if prep is None else prep.norm_weight, x if prep is None else prep.cos, x if prep is None else prep.sin,
         x.stride(0), 0 if rope is None else rope.stride(0), pool.shape[1], place.row_offset, place.token_stride,
+        0.0 if prep is None else prep.eps, 0 if prep is None else prep.cos.stride(0),
         TOKENS=place.tokens_per_page, D=d, NB=num_blocks, BS=bs,
         NB_P=triton.next_power_of_2(num_blocks), BS_P=triton.next_power_of_2(bs),
-        DR=dr, DR_P=triton.next_power_of_2(max(dr, 1)), num_warps=4,
+        DR=dr, DR_P=triton.next_power_of_2(max(dr, 1)), NORM=prep is not None, ROTATE=prep is not None,
+        INTERLEAVED=prep is not None and prep.interleaved, DT=_DT.get(x.dtype, tl.float32), num_warps=4,
     )
 
 
 def pack_mla_rows_into(latent: torch.Tensor, rope: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                       place: RowPlacement) -> None:
-    """[N, Dl] latent + [N, Dr] rope -> FP8 MLA rows at `slots` of one layer of `pool`."""
+                       place: RowPlacement, prep: LatentPrep | None = None) -> None:
+    """[N, Dl] latent + [N, Dr] rope -> FP8 MLA rows at `slots` of one layer of `pool`. With `prep` the inputs
+    are kv_a_proj's raw outputs (rows may be strided), normalised and rotated here first (in their dtype's
+    roundings), so the norm and the rotary embedding cost no launch of their own."""
     row_bytes = fp8_rows.mla_row_bytes(latent.shape[1], rope.shape[1])
     _check([("latent", latent), ("rope", rope)], pool, slots, place, row_bytes)
-    _launch(latent, rope, pool, slots, place, fp8_rows.num_scale_blocks(latent.shape[1]))
+    if prep is not None and (prep.norm_weight.shape != (latent.shape[1],) or prep.norm_weight.stride(0) != 1
+                             or prep.cos.shape != (latent.shape[0], rope.shape[1] // 2) or prep.cos.stride(1) != 1
+                             or prep.sin.shape != prep.cos.shape or prep.sin.stride() != prep.cos.stride()
+                             or rope.shape[1] % 2):
+        raise ValueError("prep needs a norm weight [Dl] and rotary tables [N, Dr/2] with contiguous rows")
+    _launch(latent, rope, pool, slots, place, fp8_rows.num_scale_blocks(latent.shape[1]), prep)
 
 
 def pack_indexer_rows_into(keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,

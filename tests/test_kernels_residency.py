@@ -430,6 +430,43 @@ def test_pack_mla_rows_matches_twin(dl, dr, dtype):
     assert (got != pool).any()
 
 
+@pytest.mark.parametrize("dtype, interleaved", [(torch.bfloat16, True), (torch.float32, False)])
+def test_pack_mla_rows_normalises_and_rotates(dtype, interleaved):
+    """With a LatentPrep the packing launch takes kv_a_proj's raw (strided) outputs and does the latent's
+    RMSNorm and the key's rotation itself: the rope bytes equal packing the rotation computed in float32 and
+    rounded once (as kernels.rope does on a GPU) exactly, and the latent equals packing the model's norm within
+    one e4m3 step (the mean square is summed in another order, so a value on a rounding edge may move)."""
+    from engine.layers import rms_norm
+
+    gen = torch.Generator().manual_seed(7)
+    n, dl, dr = 9, 256, 16
+    raw = (torch.randn(n, dl + dr + 8, generator=gen) * 2).to(dtype)
+    latent, rope = raw[:, :dl], raw[:, dl:dl + dr]
+    weight = (torch.rand(dl, generator=gen) + 0.5).to(dtype)
+    angles = torch.rand(n, dr // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    row = fp8_rows.mla_row_bytes(dl, dr)
+    pool = torch.zeros((3, PAGE * row), dtype=torch.uint8)
+    place = fp8_pack.RowPlacement(PAGE, 0, row)
+    slots = torch.randperm(3 * PAGE, generator=gen)[:n]
+    got, want = pool.clone(), pool.clone()
+    fp8_pack.pack_mla_rows_into(latent, rope, got, slots, place, fp8_pack.LatentPrep(weight, 1e-6, cos, sin, interleaved))
+    x = rope.float()
+    a, b = (x[:, 0::2], x[:, 1::2]) if interleaved else (x[:, : dr // 2], x[:, dr // 2:])
+    c, s = cos.float(), sin.float()
+    rotated = torch.cat([a * c - b * s, b * c + a * s], dim=1).to(dtype)
+    normed = rms_norm(latent, weight, 1e-6)
+    fp8_pack.pack_mla_rows_into_reference(normed.contiguous(), rotated.contiguous(), want, slots, place)
+    got_rows = got.view(-1, row)[slots.long()]
+    want_rows = want.view(-1, row)[slots.long()]
+    assert torch.equal(got_rows[:, row - 2 * dr:], want_rows[:, row - 2 * dr:]), "rope bytes"
+    got_vals, want_vals = (fp8_rows.unpack_mla_rows(r, dl, dr)[:, :dl] for r in (got_rows, want_rows))
+    step = want_vals.abs().amax(dim=1, keepdim=True) / 448 * 32  # one e4m3 step at the block's largest values
+    assert ((got_vals - want_vals).abs() <= step).all()
+    if dtype == torch.bfloat16:  # the rounding to bf16 absorbs the last-bit difference of the mean square
+        assert (got_vals == want_vals).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("dim", [128, 32])
 def test_pack_indexer_rows_matches_twin(dim):
     gen = torch.Generator().manual_seed(dim)

@@ -83,3 +83,43 @@ def test_mla_query_bf16(rows: int) -> None:
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
     got = mla_query(q, w[:, :192, :], cos, sin, 64, True)
     torch.testing.assert_close(got, mla_query_ref(q, w[:, :192, :], cos, sin, 64, True), **BF16)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_mla_output_bf16(rows: int) -> None:
+    """The absorbed output at one rank's GLM-5.3 shapes (8 heads, Dv 256, Dl 512) equals the eager einsum within
+    one bf16 rounding."""
+    from kernels.mla_output import mla_output, mla_output_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    o = torch.randn(rows, 8, 512, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(8 * 448, 512, device="cuda", generator=gen) * 0.05).bfloat16().view(8, 448, 512)
+    torch.testing.assert_close(mla_output(o, w[:, 192:, :]), mla_output_ref(o, w[:, 192:, :]), **BF16)
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_pack_with_norm_and_rotation_bf16(rows: int) -> None:
+    """The FP8 row write that normalises the latent and rotates the key itself (GLM-5.3: Dl 512, Dr 64) stores
+    the rope bytes of the rotary kernel exactly and the latent of the norm kernel within one e4m3 step."""
+    from kernels import fp8_pack, fp8_rows
+    from kernels.rmsnorm import rmsnorm
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    raw = (torch.randn(rows, 2624, device="cuda", generator=gen) * 2).bfloat16()
+    latent, k_rope = raw[:, 2048:2560], raw[:, 2560:]
+    weight = (torch.rand(512, device="cuda", generator=gen) + 0.5).bfloat16()
+    angles = torch.rand(rows, 32, device="cuda", generator=gen) * 6
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    row = fp8_rows.mla_row_bytes(512, 64)
+    place = fp8_pack.RowPlacement(64, 0, row)
+    slots = torch.randperm(4 * 64, device="cuda", generator=gen)[:rows]
+    got = torch.zeros((4, 64 * row), dtype=torch.uint8, device="cuda")
+    want = got.clone()
+    fp8_pack.pack_mla_rows_into(latent, k_rope, got, slots, place, fp8_pack.LatentPrep(weight, 1e-6, cos, sin, True))
+    fp8_pack.pack_mla_rows_into(rmsnorm(latent, weight, 1e-6), rope(k_rope, cos, sin, 64, True), want, slots, place)
+    got_rows, want_rows = got.view(-1, row)[slots], want.view(-1, row)[slots]
+    assert torch.equal(got_rows[:, row - 128:], want_rows[:, row - 128:]), "rope bytes"
+    got_vals, want_vals = (fp8_rows.unpack_mla_rows(r, 512, 64)[:, :512] for r in (got_rows, want_rows))
+    step = want_vals.abs().amax(dim=1, keepdim=True) / 448 * 32
+    assert ((got_vals - want_vals).abs() <= step).all()
+    assert (got_vals == want_vals).float().mean() > 0.99
