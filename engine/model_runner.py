@@ -1,7 +1,7 @@
 """Model runner: the driver's side of a forward step.
 
 Turns a scheduler decision into a `StepInput` (flattened rows, write slots,
-page tables, the residency page tables of requests with host-only pages, the
+page tables as changes to the last step's, the residency page tables of requests with host-only pages, the
 sampling parameters) and runs it on the replica's ranks through the executor,
 which returns the token ids rank 0 sampled. The model, the KV pool and the attention ops
 live with the ranks (engine/rank/worker.py): in this process with one
@@ -15,6 +15,7 @@ import torch
 
 from engine.executors.executor import Executor, PendingOutput
 from engine.kv_layout import KVLayout
+from engine.page_tables import PageTableSender
 from engine.rank.step import StepInput
 from engine.request import PENDING, Request
 from engine.sampler import SamplingBatch
@@ -29,6 +30,7 @@ class ModelRunner:
         self.residency: ResidencyManager | None = None  # set by the engine when a host tier exists
         self.num_steps = 0
         self._last_sampled: dict[str, int] = {}  # request id -> its row among the last launched step's samples
+        self.page_tables = PageTableSender()
 
     @property
     def kv_pool(self) -> torch.Tensor:
@@ -61,18 +63,13 @@ class ModelRunner:
                 logits_rows.append(len(ids) - 1)
         page, idx_page = self.layout.page_size, self.layout.indexer_tokens_per_page
         reqs = [s.request for s in scheduled]
-        mla_table = _pad_table([r.mla_pages for r in reqs])
-        idx_table = _pad_table([r.indexer_pages for r in reqs])
-        pos = torch.tensor(positions, dtype=torch.long)
-        rows_req = torch.tensor(req_of_row, dtype=torch.long)
         return StepInput(
             input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=pos,
-            req_of_row=rows_req,
-            mla_write_slots=mla_table[rows_req, pos // page] * page + pos % page,
-            indexer_write_slots=idx_table[rows_req, pos // idx_page] * idx_page + pos % idx_page,
-            mla_page_table=mla_table,
-            indexer_page_table=idx_table,
+            positions=torch.tensor(positions, dtype=torch.long),
+            req_of_row=torch.tensor(req_of_row, dtype=torch.long),
+            mla_write_slots=_write_slots(scheduled, "mla_pages", page),
+            indexer_write_slots=_write_slots(scheduled, "indexer_pages", idx_page),
+            page_table_rows=self.page_tables.rows(reqs),
             context_lens=tuple(ctx_lens),
             logits_rows=torch.tensor(logits_rows, dtype=torch.long),
             row_ranges=tuple(row_ranges),
@@ -87,7 +84,11 @@ class ModelRunner:
         """Queues one step on every rank (`collect` reads it); `sampling` has one row for each request whose
         chunk completes, in order. Inputs sampled by the step launched before and not yet read are taken
         from the ranks' devices."""
-        pending = self.executor.launch_model(self.prepare(scheduled, sampling))
+        try:
+            pending = self.executor.launch_model(self.prepare(scheduled, sampling))
+        except BaseException:
+            self.page_tables.reset()  # the ranks may hold some of this step's rows, or none
+            raise
         completing = [s.request.request_id for s in scheduled if s.completes]
         self._last_sampled = {rid: i for i, rid in enumerate(completing)}
         return pending
@@ -111,11 +112,15 @@ def _nonresident(req: Request) -> NonResidentSpec:
     )
 
 
-def _pad_table(tables: list[list[int | None]]) -> torch.Tensor:
-    """Page tables as one int32 tensor (half the bytes sent to every rank); host-only pages read as
-    page 0 (their slots come from the resolve)."""
-    width = max(1, max(len(t) for t in tables))
-    out = np.zeros((len(tables), width), dtype=np.int32)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = [0 if p is None else p for p in t] if None in t else t
-    return torch.from_numpy(out)
+def _write_slots(scheduled: list[ScheduledRequest], pages_attr: str, page: int) -> torch.Tensor:
+    """The slots of each scheduled row's new KV entry, from its request's pages (host-only pages read as page 0;
+    new tokens never land in one)."""
+    out = []
+    for s in scheduled:
+        start = s.request.num_computed_tokens
+        positions = np.arange(start, start + s.num_new_tokens)
+        first = start // page
+        pages = getattr(s.request, pages_attr)[first : (start + s.num_new_tokens - 1) // page + 1]
+        table = np.fromiter((0 if p is None else p for p in pages), dtype=np.int64, count=len(pages))
+        out.append(table[positions // page - first] * page + positions % page)
+    return torch.from_numpy(np.concatenate(out)) if out else torch.zeros(0, dtype=torch.long)

@@ -89,6 +89,7 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0  # MLA pages below this index are in the prefix cache (kv_cache_manager.py)
     num_pending_tokens: int = 0  # sampled by a step still running (asynchronous scheduling), ids not yet read
+    page_epoch: int = 0  # changes when pages move rather than grow (engine/page_tables.py sends the row whole)
     num_preemptions: int = 0
 
     @property
@@ -111,6 +112,11 @@ class Request:
     def pages_replaced_from(self, index: int) -> None:
         """GPU pages from `index` on were replaced (promoted, swapped in, reattached): they register again."""
         self.num_registered_pages = min(self.num_registered_pages, index)
+        self.pages_moved()
+
+    def pages_moved(self) -> None:
+        """Entries of the page tables changed other than by appending (the ranks get the rows whole)."""
+        self.page_epoch += 1
 
     @property
     def num_tokens(self) -> int:

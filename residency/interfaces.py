@@ -29,7 +29,11 @@ class PagedRequest(Protocol):
     def num_tokens(self) -> int: ...
 
     def pages_replaced_from(self, index: int) -> None:
-        """GPU pages from `index` on were replaced: the prefix cache registers them again."""
+        """GPU pages from `index` on were replaced: the prefix cache registers them again (and they moved)."""
+        ...
+
+    def pages_moved(self) -> None:
+        """Entries of the page tables changed other than by appending."""
         ...
 
 

@@ -93,6 +93,7 @@ class ResidencyManager:
         for i in pages:
             self.gpu_cache.release(req.mla_pages[i])
             req.mla_pages[i] = None
+        req.pages_moved()
         leased = 0 if req.hot is not None else self.hot.lease(req)
         self.stats.pages_demoted += len(pages)
         return len(pages) - leased

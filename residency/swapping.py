@@ -61,6 +61,7 @@ class Swapping:
         self.parked_indexer_pages += len(req.host_indexer_pages) if self.config.traits.runs_from_host else 0
         req.mla_pages = [None] * len(req.mla_pages)
         req.indexer_pages = []
+        req.pages_moved()
         return True
 
     def _indexer_budget_allows(self, indexer_pages: int) -> bool:

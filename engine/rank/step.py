@@ -2,7 +2,9 @@
 
 A `StepInput` is plain host data (CPU tensors, ids): the driver builds it once
 from the scheduler's decision and every rank turns it into a `ForwardBatch` on
-its own device. It carries the residency page tables of requests with
+its own device. Page tables travel as changes to the last step's rows
+(engine/page_tables.py); each rank rebuilds them whole first. It carries the
+residency page tables of requests with
 host-only pages, so each rank can run the same resolve against its own copy of
 the request's hot-buffer tables, and the sampling parameters of the rows that
 sample. Rank 0 samples on its device and answers with the token ids and the
@@ -11,10 +13,12 @@ resolve counts (the other ranks computed the same counts).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from engine.page_tables import PageTableRow, PageTableStore
 from engine.sampler import SamplingBatch
 from residency.rank import NonResidentSpec
 from residency.stats import ResolveCounts
@@ -29,8 +33,7 @@ class StepInput:
     req_of_row: torch.Tensor  # [T]
     mla_write_slots: torch.Tensor  # [T]
     indexer_write_slots: torch.Tensor  # [T]
-    mla_page_table: torch.Tensor  # [B, max_pages] int32
-    indexer_page_table: torch.Tensor  # [B, max_indexer_pages] int32
+    page_table_rows: tuple[PageTableRow, ...]  # per request: its page tables as changes to the last step's
     context_lens: tuple[int, ...]  # per request: tokens cached after this step
     logits_rows: torch.Tensor  # [S]
     row_ranges: tuple[tuple[int, int], ...]  # per request: [start, end) of its rows
@@ -41,6 +44,15 @@ class StepInput:
     # [T] int64: for a row whose input the previous step sampled and the host has not read, that token's
     # number among the previous step's sampled rows (its id is on the device); -1 elsewhere. None: all known.
     prev_rows: torch.Tensor | None = None
+    # [B, max_pages] / [B, max_indexer_pages] int32: the whole tables, which each rank rebuilds from
+    # `page_table_rows` (`with_page_tables`) before anything reads them
+    mla_page_table: torch.Tensor | None = None
+    indexer_page_table: torch.Tensor | None = None
+
+    def with_page_tables(self, store: PageTableStore) -> StepInput:
+        """This step with its whole page tables, from `store` (the rank's rows of the last step)."""
+        mla, indexer = store.apply(self.page_table_rows)
+        return dataclasses.replace(self, mla_page_table=mla, indexer_page_table=indexer)
 
     @property
     def num_requests(self) -> int:

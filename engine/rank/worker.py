@@ -26,6 +26,7 @@ from engine.kv_layout import KVFormat, KVLayout
 from engine.linear import WeightFormat
 from engine.model import build_model
 from engine.model_config import ModelConfig
+from engine.page_tables import PageTableStore
 from engine.rank.decode_graphs import DecodeGraphs, GraphConfig
 from engine.rank.step import StepInput, StepOutput
 from engine.sampler import SamplingBatch, sample
@@ -101,6 +102,7 @@ class Worker:
         self._staging = [_Staging(torch.zeros(rows, dtype=torch.long, pin_memory=pin),
                                   torch.zeros(3, dtype=torch.long, pin_memory=pin)) for _ in range(2)]
         self.num_launched = 0
+        self.page_tables = PageTableStore()  # the last step's page table rows (engine/page_tables.py)
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of this rank's GPU after its weights; (0, 0) off the GPU."""
@@ -138,6 +140,7 @@ class Worker:
         one runs. Each step's sampled ids also stay on the device (`last_tokens`), where the next step
         reads the inputs the host has not seen yet (`StepInput.prev_rows`)."""
         self._after_mirrors()
+        step = step.with_page_tables(self.page_tables)
         key = self.graphs.key_for(step) if self.graphs is not None else None
         if key is not None:
             tokens = self.graphs.launch(key, step, self.residency, self.last_tokens)

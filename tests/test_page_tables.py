@@ -1,0 +1,69 @@
+"""Page tables travel to the ranks as changes to the last step's rows (engine/page_tables.py): whatever the
+requests' pages do between steps (grow, get demoted to host-only, come back, leave a step and return, a launch
+fails), the tables a rank rebuilds equal the tables built whole from the requests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.page_tables import PageTableSender, PageTableStore
+from engine.request import Request, SamplingParams
+
+
+def whole(reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+    """The tables built whole, as the driver used to send them (host-only pages read as page 0)."""
+    out = []
+    for attr in ("mla_pages", "indexer_pages"):
+        rows = [[0 if p is None else p for p in getattr(r, attr)] for r in reqs]
+        table = np.zeros((len(rows), max([1] + [len(x) for x in rows])), dtype=np.int32)
+        for i, x in enumerate(rows):
+            table[i, : len(x)] = x
+        out.append(table)
+    return out[0], out[1]
+
+
+def check(sender: PageTableSender, store: PageTableStore, reqs: list[Request]) -> list:
+    rows = sender.rows(reqs)
+    mla, idx = store.apply(rows)
+    want_mla, want_idx = whole(reqs)
+    assert np.array_equal(mla.numpy(), want_mla) and np.array_equal(idx.numpy(), want_idx)
+    return rows
+
+
+def test_rows_grow_move_leave_and_return():
+    a, b, c = (Request(request_id=n, prompt_token_ids=[1], params=SamplingParams()) for n in "abc")
+    sender, store = PageTableSender(), PageTableStore()
+    a.mla_pages, a.indexer_pages = [3, 4], [9]
+    b.mla_pages, b.indexer_pages = [5], [8]
+    first = check(sender, store, [a, b])
+    assert all(r.mla_from == 0 for r in first), "new requests are sent whole"
+    a.mla_pages.append(6)
+    for step in range(40):  # decode: one page now and then; b grows past its row's first capacity
+        b.mla_pages.append(100 + step)
+        rows = check(sender, store, [a, b])
+        assert rows[1].mla_from == len(b.mla_pages) - 1 and len(rows[1].mla) == 1, "only the new page is sent"
+    a.mla_pages[0] = None  # demoted: its first page is host-only now
+    a.pages_moved()
+    rows = check(sender, store, [a, b])
+    assert rows[0].mla_from == 0 and rows[1].mla_from == len(b.mla_pages)
+    check(sender, store, [b])  # a waits a step: the ranks forget it
+    c.mla_pages, c.indexer_pages = [7], [1]
+    rows = check(sender, store, [c, a, b])
+    assert rows[1].mla_from == 0, "a request back after a step away is sent whole"
+    a.mla_pages, a.indexer_pages = [], []  # preempted and freed, then re-admitted with other pages
+    a.pages_replaced_from(0)
+    a.mla_pages, a.indexer_pages = [11, 12], [13]
+    check(sender, store, [a, b, c])
+
+
+def test_a_failed_launch_sends_every_row_whole_next():
+    a = Request(request_id="a", prompt_token_ids=[1], params=SamplingParams())
+    a.mla_pages, a.indexer_pages = [1, 2], [3]
+    sender, store = PageTableSender(), PageTableStore()
+    check(sender, store, [a])
+    a.mla_pages.append(4)
+    sender.rows([a])  # built, but the ranks never applied it
+    sender.reset()
+    a.mla_pages.append(5)
+    rows = check(sender, store, [a])
+    assert rows[0].mla_from == 0
