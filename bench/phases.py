@@ -102,9 +102,9 @@ class PhaseTimer:
         self.wrap(llm_engine.LLMEngine, "step", "LLMEngine.step", self._close_step)
 
     def _describe(self, step: Any, _: float) -> None:
-        extends = sum(1 for b in step.nonresident if step.row_ranges[b][1] - step.row_ranges[b][0] > 1)
+        extends = sum(1 for b in step.nonresident_tokens if step.row_ranges[b][1] - step.row_ranges[b][0] > 1)
         self._step = dict(rows=int(step.input_ids.shape[0]), requests=len(step.request_ids),
-                          host_only=len(step.nonresident), host_only_extends=extends)
+                          host_only=len(step.nonresident_tokens), host_only_extends=extends)
 
     def _close_step(self, _: Any, seconds: float) -> None:
         if self._step:  # a step that scheduled nothing ran no forward

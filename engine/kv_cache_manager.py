@@ -153,6 +153,7 @@ class KVCacheManager:
         for _, hp in found:
             host.cache.acquire(hp)
         req.host_pages = [None] * len(req.mla_pages) + [hp for _, hp in found]
+        req.pages_changed_at(0)
         req.mla_pages += [None] * len(found)
         loads: list[tuple[int, int]] = []  # (host page, GPU page) of indexer pages found only on host
         for gpu, hp in idx_found:

@@ -17,11 +17,10 @@ from engine.executors.executor import Executor, PendingOutput
 from engine.kv_layout import KVLayout
 from engine.page_tables import PageTableSender
 from engine.rank.step import StepInput
-from engine.request import PENDING, Request
+from engine.request import PENDING
 from engine.sampler import SamplingBatch
 from engine.scheduler import ScheduledRequest
 from residency.manager import ResidencyManager
-from residency.rank import NonResidentSpec
 
 
 class ModelRunner:
@@ -63,6 +62,9 @@ class ModelRunner:
                 logits_rows.append(len(ids) - 1)
         page, idx_page = self.layout.page_size, self.layout.indexer_tokens_per_page
         reqs = [s.request for s in scheduled]
+        for r in reqs:
+            if r.hot is not None:  # the resolve reads a host entry (maybe none yet) for every logical page
+                ResidencyManager.align(r)
         return StepInput(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
@@ -74,7 +76,7 @@ class ModelRunner:
             logits_rows=torch.tensor(logits_rows, dtype=torch.long),
             row_ranges=tuple(row_ranges),
             request_ids=tuple(r.request_id for r in reqs),
-            nonresident={b: _nonresident(r) for b, r in enumerate(reqs) if r.hot is not None},
+            nonresident_tokens={b: r.num_tokens for b, r in enumerate(reqs) if r.hot is not None},
             step=self.num_steps,
             sampling=sampling,
             prev_rows=torch.tensor(prev_rows, dtype=torch.long) if PENDING in ids else None,
@@ -99,17 +101,6 @@ class ModelRunner:
         if self.residency is not None:
             self.residency.record_resolves(out.resolve)
         return out.tokens
-
-
-def _nonresident(req: Request) -> NonResidentSpec:
-    """Where each logical page of a request with host-only pages lives, for the ranks' resolves."""
-    ResidencyManager.align(req)
-    return NonResidentSpec(
-        request_id=req.request_id,
-        gpu_pages=torch.tensor([-1 if p is None else p for p in req.mla_pages], dtype=torch.int32),
-        host_pages=torch.tensor([-1 if p is None else p for p in req.host_pages], dtype=torch.int32),
-        num_tokens=req.num_tokens,
-    )
 
 
 def _write_slots(scheduled: list[ScheduledRequest], pages_attr: str, page: int) -> torch.Tensor:

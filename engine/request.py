@@ -89,7 +89,9 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)
     num_registered_pages: int = 0  # MLA pages below this index are in the prefix cache (kv_cache_manager.py)
     num_pending_tokens: int = 0  # sampled by a step still running (asynchronous scheduling), ids not yet read
-    page_epoch: int = 0  # changes when pages move rather than grow (engine/page_tables.py sends the row whole)
+    # smallest page index whose MLA / host page entry changed other than by appending since the rows were last
+    # sent to the ranks (engine/page_tables.py sends them from there); 0 also covers the indexer pages
+    tables_dirty_from: int = 0
     num_preemptions: int = 0
 
     @property
@@ -112,11 +114,12 @@ class Request:
     def pages_replaced_from(self, index: int) -> None:
         """GPU pages from `index` on were replaced (promoted, swapped in, reattached): they register again."""
         self.num_registered_pages = min(self.num_registered_pages, index)
-        self.pages_moved()
+        self.pages_changed_at(index)
 
-    def pages_moved(self) -> None:
-        """Entries of the page tables changed other than by appending (the ranks get the rows whole)."""
-        self.page_epoch += 1
+    def pages_changed_at(self, index: int) -> None:
+        """MLA or host page entries from `index` on changed other than by appending (0: any page list, the
+        indexer's too); the ranks get the rows again from there."""
+        self.tables_dirty_from = min(self.tables_dirty_from, index)
 
     @property
     def num_tokens(self) -> int:

@@ -32,8 +32,8 @@ class PagedRequest(Protocol):
         """GPU pages from `index` on were replaced: the prefix cache registers them again (and they moved)."""
         ...
 
-    def pages_moved(self) -> None:
-        """Entries of the page tables changed other than by appending."""
+    def pages_changed_at(self, index: int) -> None:
+        """MLA or host page entries from `index` on changed other than by appending (0: any page list)."""
         ...
 
 

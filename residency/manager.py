@@ -93,7 +93,7 @@ class ResidencyManager:
         for i in pages:
             self.gpu_cache.release(req.mla_pages[i])
             req.mla_pages[i] = None
-        req.pages_moved()
+        req.pages_changed_at(pages[0])
         leased = 0 if req.hot is not None else self.hot.lease(req)
         self.stats.pages_demoted += len(pages)
         return len(pages) - leased
@@ -141,6 +141,7 @@ class ResidencyManager:
             if page is not None:
                 self.host.cache.release(page)
         req.host_pages, req.host_indexer_pages = [], []
+        req.pages_changed_at(0)
         self.hot.release(req)
 
     def check_integrity(self) -> None:

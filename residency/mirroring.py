@@ -40,6 +40,7 @@ def align(req: PagedRequest) -> None:
 def set_host(req: PagedRequest, use: PageUse, index: int, host_page: int) -> None:
     if use is PageUse.MLA:
         req.host_pages[index] = host_page
+        req.pages_changed_at(index)
     else:
         req.host_indexer_pages[index] = host_page
 

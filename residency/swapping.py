@@ -61,7 +61,7 @@ class Swapping:
         self.parked_indexer_pages += len(req.host_indexer_pages) if self.config.traits.runs_from_host else 0
         req.mla_pages = [None] * len(req.mla_pages)
         req.indexer_pages = []
-        req.pages_moved()
+        req.pages_changed_at(0)
         return True
 
     def _indexer_budget_allows(self, indexer_pages: int) -> bool:
@@ -105,7 +105,7 @@ class Swapping:
             if i >= completed:  # the partial page is written again on GPU: its host copy goes stale
                 self.host.cache.release(req.host_pages[i])
                 req.host_pages[i] = None
-        if not self.config.traits.runs_from_host:
+        if not self.config.traits.runs_from_host:  # (the host entries changed: marked by pages_replaced_from above)
             for i in mla_idx:
                 if req.host_pages[i] is not None:
                     self.host.cache.release(req.host_pages[i])

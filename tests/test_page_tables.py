@@ -1,6 +1,7 @@
 """Page tables travel to the ranks as changes to the last step's rows (engine/page_tables.py): whatever the
-requests' pages do between steps (grow, get demoted to host-only, come back, leave a step and return, a launch
-fails), the tables a rank rebuilds equal the tables built whole from the requests."""
+requests' pages do between steps (grow, get demoted to host-only, gain host copies, come back, leave a step and
+return, a launch fails), the tables and the non-resident page lists a rank rebuilds equal those built whole from
+the requests."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def check(sender: PageTableSender, store: PageTableStore, reqs: list[Request]) -
     mla, idx = store.apply(rows)
     want_mla, want_idx = whole(reqs)
     assert np.array_equal(mla.numpy(), want_mla) and np.array_equal(idx.numpy(), want_idx)
+    for r in reqs:  # the resolve's lists: -1 where a page is absent
+        spec = store.nonresident(r.request_id, 5)
+        assert spec.gpu_pages.tolist() == [-1 if p is None else p for p in r.mla_pages]
+        assert spec.host_pages.tolist() == [-1 if p is None else p for p in r.host_pages]
     return rows
 
 
@@ -42,10 +47,18 @@ def test_rows_grow_move_leave_and_return():
         b.mla_pages.append(100 + step)
         rows = check(sender, store, [a, b])
         assert rows[1].mla_from == len(b.mla_pages) - 1 and len(rows[1].mla) == 1, "only the new page is sent"
-    a.mla_pages[0] = None  # demoted: its first page is host-only now
-    a.pages_moved()
+    a.host_pages = [None, None, None]  # aligned: no host copies yet
+    check(sender, store, [a, b])
+    a.host_pages[1], a.host_pages[2] = 41, 42  # host copies complete
+    a.pages_changed_at(1)
+    a.pages_changed_at(2)
+    a.mla_pages[2] = None  # demoted: its third page is host-only now
+    a.pages_changed_at(2)
     rows = check(sender, store, [a, b])
-    assert rows[0].mla_from == 0 and rows[1].mla_from == len(b.mla_pages)
+    assert (rows[0].mla_from, rows[0].host_from) == (1, 1) and rows[1].mla_from == len(b.mla_pages)
+    b.host_pages = list(range(len(b.mla_pages)))  # b's host copies arrive in one step (appended)
+    rows = check(sender, store, [a, b])
+    assert rows[0].mla_from == len(a.mla_pages) and rows[1].host_from == 0
     check(sender, store, [b])  # a waits a step: the ranks forget it
     c.mla_pages, c.indexer_pages = [7], [1]
     rows = check(sender, store, [c, a, b])

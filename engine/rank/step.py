@@ -3,8 +3,8 @@
 A `StepInput` is plain host data (CPU tensors, ids): the driver builds it once
 from the scheduler's decision and every rank turns it into a `ForwardBatch` on
 its own device. Page tables travel as changes to the last step's rows
-(engine/page_tables.py); each rank rebuilds them whole first. It carries the
-residency page tables of requests with
+(engine/page_tables.py); each rank rebuilds them whole first. The
+residency page lists of requests with
 host-only pages, so each rank can run the same resolve against its own copy of
 the request's hot-buffer tables, and the sampling parameters of the rows that
 sample. Rank 0 samples on its device and answers with the token ids and the
@@ -38,21 +38,25 @@ class StepInput:
     logits_rows: torch.Tensor  # [S]
     row_ranges: tuple[tuple[int, int], ...]  # per request: [start, end) of its rows
     request_ids: tuple[str, ...]
-    nonresident: dict[int, NonResidentSpec]  # batch index -> page tables of a request with host-only pages
+    nonresident_tokens: dict[int, int]  # batch index of a request with host-only pages -> its tokens after the step
     step: int  # LRU stamp of this step (grows every step)
     sampling: SamplingBatch  # one row per entry of logits_rows
     # [T] int64: for a row whose input the previous step sampled and the host has not read, that token's
     # number among the previous step's sampled rows (its id is on the device); -1 elsewhere. None: all known.
     prev_rows: torch.Tensor | None = None
-    # [B, max_pages] / [B, max_indexer_pages] int32: the whole tables, which each rank rebuilds from
-    # `page_table_rows` (`with_page_tables`) before anything reads them
+    # Rebuilt by each rank from `page_table_rows` (`with_page_tables`) before anything reads them:
+    # [B, max_pages] / [B, max_indexer_pages] int32 whole tables, and the resolve's page lists of the
+    # requests with host-only pages (batch index -> spec).
     mla_page_table: torch.Tensor | None = None
     indexer_page_table: torch.Tensor | None = None
+    nonresident: dict[int, NonResidentSpec] = dataclasses.field(default_factory=dict)
 
     def with_page_tables(self, store: PageTableStore) -> StepInput:
-        """This step with its whole page tables, from `store` (the rank's rows of the last step)."""
+        """This step with its whole page tables and non-resident page lists, from `store` (the rank's rows of
+        the last step)."""
         mla, indexer = store.apply(self.page_table_rows)
-        return dataclasses.replace(self, mla_page_table=mla, indexer_page_table=indexer)
+        nonresident = {b: store.nonresident(self.request_ids[b], n) for b, n in self.nonresident_tokens.items()}
+        return dataclasses.replace(self, mla_page_table=mla, indexer_page_table=indexer, nonresident=nonresident)
 
     @property
     def num_requests(self) -> int:
