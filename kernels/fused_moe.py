@@ -40,7 +40,8 @@ Launches (`fused_moe`):
 3. down: one program per (block, BLOCK_N columns of H); multiplies by the
    routing weight and writes each slot's row of [T*k, H].
 4. a sum over the k slots of each token into out [T, H].
-(fp8 weights add the two quantisation launches.)
+(fp8 weights add the two quantisation launches, or one when the caller passes x's
+quantisation, `x_fp8`, made by the RMSNorm before the MoE.)
 No host synchronisation; every shape depends only on (T, k, E, H, I), never on
 the routing: the whole call is CUDA-graph capturable.
 

@@ -14,7 +14,7 @@ registers:
    counting the keys at or above the candidate (a compare and a sum per key;
    histograms were slower: the indexer's many equal scores collide on one bin).
 2. Compaction: the keys above T, and the first (by position) of those equal to
-   T, are written in position order (prefix sums).
+   T, are written in position order (one prefix sum counts both kinds).
 Wider rows take the PyTorch form (a stable sort, then the K positions sorted),
 which is the twin. No host synchronisation, shapes fixed by (R, K): CUDA-graph
 capturable. Contents: the twin `topk_positions_ref`, the kernel and the
