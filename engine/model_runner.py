@@ -10,7 +10,6 @@ rank, in worker processes with several.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from engine.executors.executor import Executor, PendingOutput
@@ -104,14 +103,15 @@ class ModelRunner:
 
 
 def _write_slots(scheduled: list[ScheduledRequest], pages_attr: str, page: int) -> torch.Tensor:
-    """The slots of each scheduled row's new KV entry, from its request's pages (host-only pages read as page 0;
-    new tokens never land in one)."""
-    out = []
+    """The slots of each scheduled row's new KV entry, from its request's pages, one run of slots per page
+    touched (host-only pages read as page 0; new tokens never land in one)."""
+    out: list[int] = []
     for s in scheduled:
-        start = s.request.num_computed_tokens
-        positions = np.arange(start, start + s.num_new_tokens)
-        first = start // page
-        pages = getattr(s.request, pages_attr)[first : (start + s.num_new_tokens - 1) // page + 1]
-        table = np.fromiter((0 if p is None else p for p in pages), dtype=np.int64, count=len(pages))
-        out.append(table[positions // page - first] * page + positions % page)
-    return torch.from_numpy(np.concatenate(out)) if out else torch.zeros(0, dtype=torch.long)
+        pages = getattr(s.request, pages_attr)
+        pos, end = s.request.num_computed_tokens, s.request.num_computed_tokens + s.num_new_tokens
+        while pos < end:
+            run_end = min(end, (pos // page + 1) * page)
+            base = (pages[pos // page] or 0) * page - pos // page * page
+            out.extend(range(base + pos, base + run_end))
+            pos = run_end
+    return torch.tensor(out, dtype=torch.long)
