@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels import fp8_rows
+from kernels.rope import rotated_pairs
 
 
 class RowPlacement(NamedTuple):
@@ -81,6 +82,14 @@ def _round_to(v, DT: tl.constexpr):
 
 
 @triton.jit
+def _store_bf16(base, index, v, mask):
+    """Float32 values as bf16 (round to nearest even) at the 2-byte slots `index` from base (uint8 pointer)."""
+    two = tl.arange(0, 2)
+    value_bytes = (_bf16_bits(v)[:, None] >> (8 * two[None, :]).to(tl.uint32)) & 0xFF
+    tl.store(base + 2 * index[:, None] + two[None, :], value_bytes.to(tl.uint8), mask=mask[:, None])
+
+
+@triton.jit
 def _pack_kernel(
     x_ptr, rope_ptr, pool_ptr, slots_ptr, norm_ptr, cos_ptr, sin_ptr,
     x_stride, rope_stride, page_bytes, row_offset, token_stride, eps, table_stride,
@@ -111,24 +120,18 @@ def _pack_kernel(
     tl.store(row + D + 4 * blk[:, None] + four[None, :], scale_bytes.to(tl.uint8), mask=blk[:, None] < NB)
 
     if DR > 0:
-        r = tl.arange(0, DR_P)
-        if ROTATE:  # the key's rotary embedding as kernels.rope orders its output: rotated firsts, then seconds
-            half = DR // 2
-            i = r % half
-            if INTERLEAVED:
-                first, second = 2 * i, 2 * i + 1
-            else:
-                first, second = i, i + half
-            a = tl.load(rope_ptr + n * rope_stride + first, mask=r < DR, other=0.0).to(tl.float32)
-            b = tl.load(rope_ptr + n * rope_stride + second, mask=r < DR, other=0.0).to(tl.float32)
-            c = tl.load(cos_ptr + n * table_stride + i, mask=r < DR, other=0.0).to(tl.float32)
-            sn = tl.load(sin_ptr + n * table_stride + i, mask=r < DR, other=0.0).to(tl.float32)
-            rope = _round_to(tl.where(r < half, a * c - b * sn, b * c + a * sn), DT)
+        rope_at = row + D + 4 * NB  # bf16 values, two bytes each
+        if ROTATE:  # the key's rotary embedding, stored in the order kernels.rope writes it
+            i = tl.arange(0, DR_P // 2)
+            pair = i < DR // 2
+            lo, hi = rotated_pairs(rope_ptr + n * rope_stride, cos_ptr + n * table_stride,
+                                   sin_ptr + n * table_stride, i, pair, DR, INTERLEAVED)
+            _store_bf16(rope_at, i, _round_to(lo, DT), pair)
+            _store_bf16(rope_at, DR // 2 + i, _round_to(hi, DT), pair)
         else:
+            r = tl.arange(0, DR_P)
             rope = tl.load(rope_ptr + n * rope_stride + r, mask=r < DR, other=0.0).to(tl.float32)
-        two = tl.arange(0, 2)
-        rope_bytes = (_bf16_bits(rope)[:, None] >> (8 * two[None, :]).to(tl.uint32)) & 0xFF
-        tl.store(row + D + 4 * NB + 2 * r[:, None] + two[None, :], rope_bytes.to(tl.uint8), mask=r[:, None] < DR)
+            _store_bf16(rope_at, r, rope, r < DR)
 
 
 def _check(values: list[tuple[str, torch.Tensor]], pool: torch.Tensor, slots: torch.Tensor,

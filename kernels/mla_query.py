@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_gemm import _interpreting, _num_sms
+from kernels.rope import rotated_pairs
 
 _COMPUTE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -64,21 +65,13 @@ def _mla_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, tokens, stride_qt
         tl.store(out_rows[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=tmask[:, None] & cmask[None, :])
     else:  # rotary part, pairs as kernels.rope orders them
-        half = R // 2
         i = tl.arange(0, HALF_BLOCK)
-        pair = tmask[:, None] & (i < half)[None, :]
-        if INTERLEAVED:
-            first, second = 2 * i, 2 * i + 1
-        else:
-            first, second = i, i + half
-        x1 = tl.load(q_rows[:, None] + DN + first[None, :], mask=pair, other=0.0)
-        x2 = tl.load(q_rows[:, None] + DN + second[None, :], mask=pair, other=0.0)
-        table = offs_t.to(tl.int64)[:, None] * table_stride + i[None, :]
-        c = tl.load(cos_ptr + table, mask=pair, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + table, mask=pair, other=0.0).to(tl.float32)
-        u, v = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(out_rows[:, None] + DL + i[None, :], (u * c - v * s).to(x1.dtype), mask=pair)
-        tl.store(out_rows[:, None] + DL + half + i[None, :], (v * c + u * s).to(x1.dtype), mask=pair)
+        pair = tmask[:, None] & (i < R // 2)[None, :]
+        table = offs_t.to(tl.int64)[:, None] * table_stride
+        lo, hi = rotated_pairs(q_rows[:, None] + DN, cos_ptr + table, sin_ptr + table, i[None, :], pair, R,
+                               INTERLEAVED)
+        tl.store(out_rows[:, None] + DL + i[None, :], lo.to(out_ptr.dtype.element_ty), mask=pair)
+        tl.store(out_rows[:, None] + DL + R // 2 + i[None, :], hi.to(out_ptr.dtype.element_ty), mask=pair)
 
 
 def mla_query(q: torch.Tensor, w_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,

@@ -18,6 +18,23 @@ import triton.language as tl
 
 
 @triton.jit
+def rotated_pairs(x_row, cos_row, sin_row, i, mask, R: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Pairs i (< R/2) of the R values at x_row rotated by the angles at cos_row / sin_row, in float32: (the
+    rotated first members, the rotated second members), which outputs store at i and R/2 + i. Pointers may
+    be blocks (rows of a tile) that broadcast against i."""
+    half = R // 2
+    if INTERLEAVED:
+        first, second = 2 * i, 2 * i + 1
+    else:
+        first, second = i, i + half
+    a = tl.load(x_row + first, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(x_row + second, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_row + i, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_row + i, mask=mask, other=0.0).to(tl.float32)
+    return a * c - b * s, b * c + a * s
+
+
+@triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, x_row_stride, x_head_stride, table_stride,
                  R: tl.constexpr, D: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_BLOCK: tl.constexpr,
                  REST_BLOCK: tl.constexpr):
@@ -25,20 +42,11 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, x_row_stride, x_head_s
     t, h = pid // heads, pid % heads
     x_row = x_ptr + t * x_row_stride + h * x_head_stride
     out_row = out_ptr + pid * D
-    half = R // 2
     i = tl.arange(0, HALF_BLOCK)
-    pair = i < half
-    if INTERLEAVED:
-        first, second = 2 * i, 2 * i + 1
-    else:
-        first, second = i, i + half
-    x1 = tl.load(x_row + first, mask=pair, other=0.0)
-    x2 = tl.load(x_row + second, mask=pair, other=0.0)
-    c = tl.load(cos_ptr + t * table_stride + i, mask=pair, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * table_stride + i, mask=pair, other=0.0).to(tl.float32)
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(out_row + i, (a * c - b * s).to(x1.dtype), mask=pair)
-    tl.store(out_row + half + i, (b * c + a * s).to(x1.dtype), mask=pair)
+    pair = i < R // 2
+    lo, hi = rotated_pairs(x_row, cos_ptr + t * table_stride, sin_ptr + t * table_stride, i, pair, R, INTERLEAVED)
+    tl.store(out_row + i, lo.to(out_ptr.dtype.element_ty), mask=pair)
+    tl.store(out_row + R // 2 + i, hi.to(out_ptr.dtype.element_ty), mask=pair)
     if D > R:
         j = tl.arange(0, REST_BLOCK)
         rest = j < D - R
