@@ -19,22 +19,17 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_gemm import _interpreting, _num_sms
-from kernels.rope import rotated_pairs
+from kernels.rope import rope_ref, rotated_pairs
 
 _COMPUTE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def mla_query_ref(q: torch.Tensor, w_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
                   interleaved: bool) -> torch.Tensor:
-    """The eager form: einsum of the nope part with w_k in q's dtype, the rotation in float32 rounded once (pairs
-    ordered as `kernels.rope` writes them), concatenated."""
+    """The eager form: einsum of the nope part with w_k in q's dtype, the rotation's twin, concatenated."""
     dn = q.shape[-1] - rope_dim
     absorbed = torch.einsum("thd,hdc->thc", q[..., :dn], w_k)
-    x = q[..., dn:].float()
-    a, b = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : rope_dim // 2], x[..., rope_dim // 2:])
-    c, s = cos.float()[:, None, :], sin.float()[:, None, :]
-    rotated = torch.cat([a * c - b * s, b * c + a * s], dim=-1).to(q.dtype)
-    return torch.cat([absorbed, rotated], dim=-1)
+    return torch.cat([absorbed, rope_ref(q[..., dn:], cos, sin, interleaved)], dim=-1)
 
 
 @triton.jit

@@ -17,6 +17,18 @@ import triton
 import triton.language as tl
 
 
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The twin of the rotation alone: x [T, ..., R] entirely rotated in float32 and rounded once to x's dtype
+    (as the kernel does on a GPU; the eager bf16 form rounds each product), pairs ordered as the kernel writes
+    them; tables [T, R/2]."""
+    f = x.float()
+    half = x.shape[-1] // 2
+    a, b = (f[..., 0::2], f[..., 1::2]) if interleaved else (f[..., :half], f[..., half:])
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = cos.float().reshape(shape), sin.float().reshape(shape)
+    return torch.cat([a * c - b * s, b * c + a * s], dim=-1).to(x.dtype)
+
+
 @triton.jit
 def rotated_pairs(x_row, cos_row, sin_row, i, mask, R: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Pairs i (< R/2) of the R values at x_row rotated by the angles at cos_row / sin_row, in float32: (the

@@ -437,6 +437,7 @@ def test_pack_mla_rows_normalises_and_rotates(dtype, interleaved):
     rounded once (as kernels.rope does on a GPU) exactly, and the latent equals packing the model's norm within
     one e4m3 step (the mean square is summed in another order, so a value on a rounding edge may move)."""
     from engine.layers import rms_norm
+    from kernels.rope import rope_ref
 
     gen = torch.Generator().manual_seed(7)
     n, dl, dr = 9, 256, 16
@@ -451,10 +452,7 @@ def test_pack_mla_rows_normalises_and_rotates(dtype, interleaved):
     slots = torch.randperm(3 * PAGE, generator=gen)[:n]
     got, want = pool.clone(), pool.clone()
     fp8_pack.pack_mla_rows_into(latent, rope, got, slots, place, fp8_pack.LatentPrep(weight, 1e-6, cos, sin, interleaved))
-    x = rope.float()
-    a, b = (x[:, 0::2], x[:, 1::2]) if interleaved else (x[:, : dr // 2], x[:, dr // 2:])
-    c, s = cos.float(), sin.float()
-    rotated = torch.cat([a * c - b * s, b * c + a * s], dim=1).to(dtype)
+    rotated = rope_ref(rope, cos, sin, interleaved)
     normed = rms_norm(latent, weight, 1e-6)
     fp8_pack.pack_mla_rows_into_reference(normed.contiguous(), rotated.contiguous(), want, slots, place)
     got_rows = got.view(-1, row)[slots.long()]
