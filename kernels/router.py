@@ -139,14 +139,13 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     num_experts = weight.shape[0]
     if weight.shape[1] != hidden or weight.dtype != torch.float32 or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("router_logits needs x [T, H] and a float32 weight [E, H], both with unit last stride")
-    num_sms = _num_sms(x.device)
     fma = t <= ROUTER_FMA_TOKENS
-    tiles = triton.cdiv(num_experts, _ROUTER_TILE) * (max(t, 1) if fma else triton.cdiv(max(t, 1), _ROUTER_TILE))
     blocks = triton.cdiv(hidden, _ROUTER_K)
     if fma:  # every weight tile loaded at once, one per program: a single memory round trip
         splits = min(blocks, _FMA_MAX_SPLITS)
     else:
-        splits = max(1, min(triton.cdiv(2 * num_sms, tiles), blocks // 2, 16))
+        tiles = triton.cdiv(num_experts, _ROUTER_TILE) * triton.cdiv(t, _ROUTER_TILE)
+        splits = max(1, min(triton.cdiv(2 * _num_sms(x.device), tiles), blocks // 2, 16))
     k_per_split = triton.cdiv(blocks, splits) * _ROUTER_K
     splits = triton.cdiv(hidden, k_per_split)
     parts = torch.empty(splits, t, num_experts, dtype=torch.float32, device=x.device)
