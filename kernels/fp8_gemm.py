@@ -19,6 +19,10 @@ reduced-precision accumulation inside each 128-deep fp8 dot, as in DeepSeek's
 and Triton's fp8 GEMMs).
 
 One launch shape per problem (`FP8GemmConfig.for_problem`):
+- one token (decode at batch 1): `gemv` programs of 8 weight rows stream the
+  whole K, multiply in float32 registers (no tensor cores) and store; no split,
+  so none of the split tiles' partials and last-arrival sum, which cost 1-2 us a
+  launch at these sizes.
 - small M (decode): the weight is streamed once, so the GEMM is memory-bound on
   weight bytes. `swap_ab` computes out^T = W x^T so weight rows fill the MMA's
   M side and the few tokens its N side; x is quantised by its own launch first
@@ -94,6 +98,8 @@ class FP8GemmConfig:
     group_m: int = 8  # M tiles per group of the L2-friendly program order
     num_warps: int = 4
     num_stages: int = 3
+    gemv: bool = False  # one token per program, float32 products in registers, whole K (no split, no MMA)
+    gemv_block_k: int = 512  # GEMV: columns per loaded tile (a multiple of FP8_BLOCK)
 
     @classmethod
     def for_problem(cls, m: int, n: int, k: int, num_sms: int = _DEFAULT_SMS) -> "FP8GemmConfig":
@@ -107,6 +113,13 @@ class FP8GemmConfig:
             kb = triton.cdiv(k, FP8_BLOCK)
             split = max(1, min(triton.cdiv(num_sms, tiles), kb // 4))  # few tiles (small N): split K too
             return cls(block_m=64, block_n=64, split_k=triton.cdiv(kb, triton.cdiv(kb, split)), num_stages=3)
+        if m == 1:
+            # one token: whole-K GEMV programs of 8 weight rows (no split, so no partials and no last-arrival sum);
+            # H200 sweep at GLM-5.3's TP8 shapes (bench/RESULTS.md, 2026-12-01): 1-2 us under the split tiles
+            # except [576, 6144] (equal); 1,024-column tiles except where K is short and N long
+            wide = k >= 4096 or n <= 2048
+            return cls(block_m=16, block_n=8, gemv=True, gemv_block_k=1024 if wide else 512,
+                       num_warps=4, num_stages=4 if wide else 2)
         if m <= 16:
             block_m, swap = 16, True
         elif m <= 32:
@@ -312,6 +325,39 @@ def _fp8_gemm_kernel(
             tl.atomic_xchg(arrivals_ptr + pid, 0, sem="relaxed", scope="gpu")
 
 
+@triton.jit(do_not_specialize=["K"])
+def _fp8_gemv_kernel(
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, N, K,
+    stride_am, stride_asm, stride_wn, stride_wsn, stride_wsk, stride_om,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """out[m, n-tile] for one token m: the weight rows streamed once over the whole K, each element's
+    product with the token's dequantised activation accumulated in float32 registers, the block scales
+    folded into the activation (BLOCK_N divides 128, so one weight scale row per program). No split of K,
+    so no partials and no last-arrival sum: the launch ends when its loads do."""
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    nmask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        if EVEN_K:
+            w = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
+            a = tl.load(a_ptr + m * stride_am + cols)
+        else:
+            kmask = cols < K
+            w = tl.load(w_rows + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            a = tl.load(a_ptr + m * stride_am + cols, mask=kmask, other=0.0)
+        group = tl.minimum(cols, K - 1) // 128
+        scale = tl.load(as_ptr + m * stride_asm + group) * tl.load(ws_row + group * stride_wsk)
+        acc += w.to(tl.float32) * (a.to(tl.float32) * scale)[None, :]
+    tl.store(out_ptr + m * stride_om + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
+
+
 # --- launchers -----------------------------------------------------------------------------
 
 
@@ -347,6 +393,13 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor
 
 
 def _check_config(cfg: FP8GemmConfig) -> None:
+    if cfg.gemv:
+        if cfg.block_n < 1 or cfg.block_n > FP8_BLOCK or cfg.block_n & (cfg.block_n - 1):
+            raise ValueError(f"a GEMV's block_n must be a power of two dividing {FP8_BLOCK}, got {cfg.block_n}")
+        kt = cfg.gemv_block_k
+        if kt < FP8_BLOCK or kt & (kt - 1):
+            raise ValueError(f"gemv_block_k must be a power of two >= {FP8_BLOCK}, got {kt}")
+        return
     for v, name in ((cfg.block_m, "block_m"), (cfg.block_n, "block_n")):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
@@ -443,6 +496,14 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     cfg = config or _default_config(m, n, k, _num_sms(x.device))
     _check_config(cfg)
     a, a_s = _take_quantized(x2, x_fp8)
+    if cfg.gemv:
+        _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), m)](
+            a, a_s, weight, weight_scale_inv, out, n, k,
+            a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
+            out.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.gemv_block_k, EVEN_K=k % cfg.gemv_block_k == 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out.reshape(*lead, n)
     nb = _blocks(k)
     kb_per_split = triton.cdiv(nb, cfg.split_k)
     splits = triton.cdiv(nb, kb_per_split)

@@ -170,6 +170,8 @@ CONFIGS = [
     FP8GemmConfig(block_m=32, block_n=16, swap_ab=True, split_k=2),
     FP8GemmConfig(block_m=64, block_n=128, swap_ab=False, split_k=2),
     FP8GemmConfig(block_m=16, block_n=32, swap_ab=False, group_m=3),
+    FP8GemmConfig(gemv=True, block_n=8, gemv_block_k=256),  # one program per token and 8 rows, whole K
+    FP8GemmConfig(gemv=True, block_n=128, gemv_block_k=128),
 ]
 
 
@@ -257,6 +259,9 @@ def test_for_problem_configs(m):
         assert cfg == FP8GemmConfig.for_problem(m, n, k)  # a function of the shape alone
         kb = triton_blocks(k)
         assert 1 <= cfg.split_k <= kb and -(-kb // -(-kb // cfg.split_k)) == cfg.split_k  # no empty ranges
+        if cfg.gemv:  # one token: whole-K programs of a few rows, one per 8 rows (72 for the narrowest)
+            assert m == 1 and cfg.split_k == 1 and -(-n // cfg.block_n) >= 72, (n, k, cfg)
+            continue
         programs = -(-m // cfg.block_m) * -(-n // cfg.block_n) * cfg.split_k
         if (m <= 16 and k >= 2048) or m > 128:
             assert programs >= 100, (n, k, cfg)  # decode and prefill fill the GPU
@@ -291,6 +296,10 @@ def test_rejects_bad_inputs():
         fp8_block_linear(x, weight, scales, config=FP8GemmConfig(block_n=48))
     with pytest.raises(ValueError):
         fp8_block_linear(x, weight, scales, config=FP8GemmConfig(split_k=0))
+    for gemv in (FP8GemmConfig(gemv=True, block_n=3), FP8GemmConfig(gemv=True, block_n=256),
+                 FP8GemmConfig(gemv=True, gemv_block_k=96)):
+        with pytest.raises(ValueError):
+            fp8_block_linear(x, weight, scales, config=gemv)
     with pytest.raises(ValueError):
         quantize_activations(x.reshape(3, 1, 300))
     with pytest.raises(ValueError):

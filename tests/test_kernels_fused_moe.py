@@ -262,6 +262,28 @@ def test_fused_moe_split_k(fmt, t, config):
     assert torch.equal(again, out), "a second call differs"
 
 
+@pytest.mark.parametrize("fmt, t, kw, config", [
+    ("fp8", 1, dict(x_dtype=torch.bfloat16), _C(gemv=True, block_n=8, block_k=256, block_n_down=16,
+                                                block_k_down=128)),
+    ("fp8", 2, dict(h=640, i=256), _C(gemv=True, block_n=4, block_k=512, block_n_down=32, block_k_down=256)),
+    ("fp8", 3, dict(h=192), _C(gemv=True, block_n=16, block_k=128, block_n_down=8, block_k_down=128)),
+    ("fp16", 2, dict(), _C(gemv=True, block_n=32, block_k=128, block_n_down=64, block_k_down=128)),
+    ("fp32", 1, dict(e=6, k=3, h=96, i=48), _C(gemv=True, block_n=16, block_k=128, block_n_down=32,
+                                              block_k_down=128)),
+])
+def test_fused_moe_gemv(fmt, t, kw, config):
+    """The few-token form (slot GEMVs, the intermediate quantised inside the down launch, slots summed in
+    it) equals the twin, ragged H and I included; ids outside [0, E) contribute nothing."""
+    x, w, weights, ids, out, ref = run_case(fmt, t, config=config, seed=4, **kw)
+    tol = {torch.float32: TWIN_TOL[fmt], torch.float16: 2e-3, torch.bfloat16: 8e-3}[x.dtype]
+    assert_close(out.float(), ref.float(), tol, "kernel vs twin")
+    foreign = ids.clone()
+    foreign[0, 0] = -1
+    got = fused_moe(x, **w, topk_weights=weights, topk_ids=foreign, config=config)
+    want = fused_moe_ref(x, **w, topk_weights=weights, topk_ids=foreign)
+    assert_close(got.float(), want.float(), tol, "kernel vs twin, a foreign id")
+
+
 def test_fused_moe_small_k_tiles():
     _, _, _, _, out, ref = run_case("fp32", 12, config=_C(block_k=32, block_k_down=64), seed=2)
     assert_close(out, ref, TWIN_TOL["fp32"], "kernel vs twin")
@@ -287,10 +309,13 @@ def test_fused_moe_defaults_and_empty():
     assert FusedMoEConfig.for_problem(1, 8, 256).block_m == 16
     assert FusedMoEConfig.for_problem(2048, 8, 256).block_m == 64
     assert FusedMoEConfig.for_problem(2048, 8, 256, weight_dtype=torch.float32).num_stages == 2
-    # one token of a GLM-5.3 rank (8 routed + the shared expert, H = 6144, I = 256): 9 experts x 4 tiles of 64
-    # columns are 36 programs, so H is cut into 4 ranges of 12 K tiles (144 programs for 132 SMs)
-    one = FusedMoEConfig.for_problem(1, 9, 257, weight_dtype=torch.float8_e4m3fn, hidden=6144, inter=256)
-    assert (one.block_n, one.split_k) == (64, 4)
+    # one or two tokens of a GLM-5.3 rank (8 routed + the shared expert, H = 6144, I = 256) with fp8 experts:
+    # slot GEMVs; three tokens: 27 experts x 4 tiles of 64 columns are 108 programs, so H is cut into 2 ranges
+    glm = dict(weight_dtype=torch.float8_e4m3fn, hidden=6144, inter=256)
+    assert FusedMoEConfig.for_problem(1, 9, 257, **glm).gemv and FusedMoEConfig.for_problem(2, 9, 257, **glm).gemv
+    three = FusedMoEConfig.for_problem(3, 9, 257, **glm)
+    assert (three.gemv, three.block_n, three.split_k) == (False, 64, 2)
+    assert not FusedMoEConfig.for_problem(1, 9, 257, hidden=6144, inter=256).gemv  # bf16 experts: tiles
     assert FusedMoEConfig.for_problem(4, 9, 257, weight_dtype=torch.float8_e4m3fn, hidden=6144).split_k == 1
 
 
