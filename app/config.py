@@ -2,6 +2,10 @@
 
 `build_app` turns the `args` mapping into an `AppConfig` (`AppConfig.from_args`),
 resolves the model directory, and hands the frozen result to every deployment.
+The model is a checkpoint directory (`model.path`) or, for shape-only runs, an
+architecture (`model.architecture` plus `overrides`) served with seeded random
+weights; the second needs `random_weights: true` said explicitly, so a production
+config naming a checkpoint never falls back to random numbers.
 Unknown fields are refused with their path and the names allowed there, so a typo
 never falls back to a default in silence. Engine fields this engine does not have
 yet (speculative decoding) are accepted and documented;
@@ -13,17 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import re
+import shutil
+import tempfile
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.config import EngineConfig
-from engine.tiny import make_tiny
+from engine.tiny import make_tiny, shaped_config, write_architecture
 from residency.config import HiSparseConfig
 
 logger = logging.getLogger(__name__)
@@ -219,12 +227,28 @@ class RoutingArgs(_Section):
 
 
 class ModelSource(_Section):
-    """Where the weights come from."""
+    """Where the weights come from: a checkpoint directory (`path`), or an architecture that a shape-only
+    run fills with seeded random weights (`architecture`, with `engine.random_weights: true`)."""
 
-    path: str
+    path: str | None = None
     """Local Hugging Face model directory; $VAR and ${VAR} are read from the environment at build time."""
     create_tiny: bool = False
     """Write the tiny random-weight model to `path` when it has no config.json (the CPU demo)."""
+    architecture: str | None = None
+    """Instead of `path`: a config.json (or its directory) served at its shapes with random weights, tiny tokenizer."""
+    overrides: dict[str, Any] = Field(default_factory=dict)
+    """Fields replaced in `architecture`, e.g. num_hidden_layers (per-layer lists keep their first entries)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSource:
+        if (self.path is None) == (self.architecture is None):
+            raise ValueError("give path (a checkpoint directory) or architecture (a config.json for random weights), "
+                             "exactly one")
+        if self.architecture is not None and self.create_tiny:
+            raise ValueError("create_tiny writes a checkpoint to path; architecture needs none")
+        if self.path is not None and self.overrides:
+            raise ValueError("overrides change an architecture; a checkpoint in path keeps its own config.json")
+        return self
 
 
 class AppConfig(_Section):
@@ -233,7 +257,7 @@ class AppConfig(_Section):
     model_id: str = "glm-tiny"
     """Name clients send as `model` and see in /v1/models."""
     model: ModelSource
-    """The checkpoint."""
+    """The checkpoint, or the architecture a shape-only run serves with random weights."""
     engine: EngineArgs = EngineArgs()
     """Engine of the decode replicas, and of the prefill replicas unless prefill_engine is set."""
     prefill_engine: EngineArgs | None = None
@@ -266,6 +290,36 @@ class AppConfig(_Section):
             raise ValueError("prefill_engine must keep engine's dtype and kv_dtype: their KV pages are exchanged")
         return self
 
+    @model_validator(mode="after")
+    def _random_weights_for_architecture(self) -> AppConfig:
+        """An architecture has no weights to load: the config must say so, so a production config that names
+        a checkpoint never serves random numbers by accident."""
+        if self.model.architecture is None:
+            return self
+        engines = {"engine": self.engine, "prefill_engine": self.prefill_engine}
+        missing = [name for name, args in engines.items() if args is not None and not args.random_weights]
+        if missing:
+            raise ValueError(f"model.architecture has no weights: set {missing[0]}.random_weights: true for a "
+                             "shape-only run, or give model.path (a checkpoint directory)")
+        if self.prefill_engine is not None and self.prefill_engine.seed != self.engine.seed:
+            raise ValueError("prefill_engine.seed must equal engine.seed: it seeds the random weights, and the "
+                             "KV a prefill replica exports is only valid for the same model")
+        return self
+
+    @model_validator(mode="after")
+    def _placement_groups_for_ray_ranks(self) -> AppConfig:
+        """Ray ranks go into the replica's placement group, bundle 0 the replica and one bundle per rank."""
+        pairs = (("decode", self.decode, self.engine), ("prefill", self.prefill, self.prefill_engine or self.engine))
+        for name, deployment, args in pairs:
+            bundles = deployment.placement_group_bundles
+            if args.executor != "ray" or args.tensor_parallel_size == 1 or not deployment.num_replicas:
+                continue
+            if bundles is None or len(bundles) != args.tensor_parallel_size + 1:
+                raise ValueError(f"{name}.placement_group_bundles needs {args.tensor_parallel_size + 1} bundles "
+                                 f"(the replica, then one per rank) for executor ray at tensor_parallel_size "
+                                 f"{args.tensor_parallel_size}")
+        return self
+
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
         """Validates Serve `args`; raises `ConfigError` listing every problem."""
@@ -275,19 +329,54 @@ class AppConfig(_Section):
             raise ConfigError(_describe(exc)) from None
 
     def resolved(self) -> AppConfig:
-        """The config with an absolute, existing model directory (the tiny model is written if asked) and
-        the API key, if one is set here, carried as its digest (so it reaches the ingress in every mode)."""
-        path = Path(_expand_env(self.model.path)).expanduser().resolve()
+        """The config with an absolute, existing model directory (the tiny model, or an architecture's
+        weightless directory, is written if asked) and the API key, if one is set here, carried as its digest
+        (so it reaches the ingress in every mode)."""
+        path = self._checkpoint_dir() if self.model.architecture is None else self._architecture_dir()
+        model = ModelSource(path=str(path))
+        api = self.api.model_copy(update={"api_key": None, "api_key_sha256": self.api.key_digest()})
+        return self.model_copy(update={"model": model, "api": api})
+
+    def _checkpoint_dir(self) -> Path:
+        path = Path(_expand_env(self.model.path, "model.path")).expanduser().resolve()
         if not (path / "config.json").is_file():
             if not self.model.create_tiny:
                 raise ConfigError(f"model.path {str(path)!r} has no config.json (set model.create_tiny for the demo)")
             logger.info("writing the tiny model to %s", path)
             make_tiny(path)
-        api = self.api.model_copy(update={"api_key": None, "api_key_sha256": self.api.key_digest()})
-        return self.model_copy(update={"model": self.model.model_copy(update={"path": str(path)}), "api": api})
+        return path
+
+    def _architecture_dir(self) -> Path:
+        """The architecture with its overrides, written once beside the tiny tokenizer under the temporary
+        directory of the machine that builds the app (the replicas of a one-node app read it there), in a
+        folder named by the content, so equal configs share it and a changed one never reads a stale one."""
+        source = Path(_expand_env(self.model.architecture, "model.architecture")).expanduser().resolve()
+        source = source / "config.json" if source.is_dir() else source
+        if not source.is_file():
+            raise ConfigError(f"model.architecture {str(source)!r} is not a config.json file")
+        try:
+            architecture = json.loads(source.read_text())
+        except ValueError as exc:
+            raise ConfigError(f"model.architecture {str(source)!r} is not JSON: {exc}") from None
+        try:
+            raw = shaped_config(architecture, self.model.overrides)
+        except ValueError as exc:
+            raise ConfigError(f"model.overrides: {exc}") from None
+        digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+        out = Path(tempfile.gettempdir()) / "hisparse-models" / f"{raw.get('model_type', 'model')}-{digest}"
+        if not (out / "config.json").is_file():
+            try:
+                _write_atomically(out, lambda tmp: write_architecture(tmp, raw))
+            except ValueError as exc:  # the engine's own checks of the shapes
+                raise ConfigError(f"model.architecture with model.overrides: {exc}") from None
+        logger.info("serving %s with random weights from %s", source, out)
+        return out
 
     def engine_config(self, role: Literal["decode", "prefill"] = "decode") -> EngineConfig:
-        """The `EngineConfig` of a replica: fields the engine has; the others are logged as not applied."""
+        """The `EngineConfig` of a replica: fields the engine has; the others are logged as not applied.
+        Needs a model directory: of an architecture, the one `resolved` writes."""
+        if self.model.path is None:
+            raise ConfigError("model.architecture: call resolved() first, which writes the model directory")
         args = self.prefill_engine if role == "prefill" and self.prefill_engine is not None else self.engine
         engine = args.model_dump(exclude={"attention_config"})
         hisparse = args.attention_config.hisparse_config.model_dump()
@@ -310,12 +399,27 @@ def _applicable(target: type, values: dict[str, Any], defaults: dict[str, Any]) 
     return {k: v for k, v in values.items() if k in known}
 
 
-def _expand_env(value: str) -> str:
+def _expand_env(value: str, field: str) -> str:
     missing = [m.group(1) or m.group(2) for m in re.finditer(r"\$\{(\w+)\}|\$(\w+)", value)
                if (m.group(1) or m.group(2)) not in os.environ]
     if missing:
-        raise ConfigError(f"model.path {value!r} names unset environment variables: {missing}")
+        raise ConfigError(f"{field} {value!r} names unset environment variables: {missing}")
     return os.path.expandvars(value)
+
+
+def _write_atomically(out: Path, write: Callable[[Path], Any]) -> None:
+    """Runs `write` into a fresh sibling of `out`, then renames it to `out`: a reader never sees half a
+    directory, and of two builders writing the same content at once the second one's copy is dropped."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        write(tmp)
+        tmp.rename(out)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _allowed_fields(loc: tuple[Any, ...]) -> list[str]:
@@ -336,9 +440,9 @@ def _describe(exc: ValidationError) -> str:
     lines = []
     for error in exc.errors():
         loc = tuple(error["loc"])
-        where = ".".join(str(part) for part in loc) or "args"
+        where = ".".join(["args", *(str(part) for part in loc)])  # a check across sections names no field
         if error["type"] == "extra_forbidden":
-            lines.append(f"args.{where}: unknown field; allowed here: {', '.join(_allowed_fields(loc))}")
+            lines.append(f"{where}: unknown field; allowed here: {', '.join(_allowed_fields(loc))}")
         else:
-            lines.append(f"args.{where}: {error['msg']}")
+            lines.append(f"{where}: {error['msg']}")
     return "invalid application args:\n  " + "\n  ".join(lines)

@@ -8,6 +8,10 @@ and a GLM-style chat template, so every loading path of a real checkpoint runs.
 With `fp8=True` the linear weights are written as published FP8 checkpoints hold
 them (e4m3 with 128x128 block scales in `weight_scale_inv`, bf16 elsewhere, a
 `quantization_config` in config.json); `overrides` give any shape, GLM-5.3's too.
+
+`write_architecture` writes the weightless form: any architecture's config.json
+beside the same tokenizer, for engines that fill their own seeded random weights
+(`random_weights`), so a GLM-5.3-shaped model serves without a checkpoint.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ TINY_INIT_STD = 0.08
 FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [128, 128]}
 FP8_TINY_OVERRIDES = {"moe_intermediate_size": 128, "torch_dtype": "bfloat16"}
+# config.json fields with one entry per layer.
+PER_LAYER_FIELDS = ("indexer_types", "mlp_layer_types")
 
 
 def save_checkpoint(model: torch.nn.Module, out: Path, num_shards: int = 2) -> None:
@@ -99,21 +105,56 @@ def save_checkpoint(model: torch.nn.Module, out: Path, num_shards: int = 2) -> N
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+def shaped_config(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`raw` with `overrides` replacing its fields; a smaller `num_hidden_layers` keeps the first layers of the
+    per-layer lists it does not override (GLM-5.3's `indexer_types` at 8 layers is its first 8 entries)."""
+    unknown = sorted(set(overrides) - set(raw) - {"quantization_config"})
+    if unknown:
+        raise ValueError(f"overrides name fields the architecture does not have: {unknown}")
+    shaped = {**raw, **overrides}
+    layers = shaped.get("num_hidden_layers")
+    for key in PER_LAYER_FIELDS:
+        if key in raw and key not in overrides and isinstance(layers, int) and len(raw[key]) >= layers:
+            shaped[key] = raw[key][:layers]
+    return shaped
+
+
+def _with_tokenizer(out: Path, raw: dict[str, Any]) -> dict[str, Any]:
+    """Writes the tiny tokenizer to `out`; returns `raw` with a vocabulary that covers it (the tokenizer's
+    size rounded up to 64 unless `raw` has one) and the tokenizer's end and pad ids."""
+    tokenizer_size = write_tiny_tokenizer(out)
+    raw = {"vocab_size": -(-tokenizer_size // 64) * 64, **raw}
+    if raw["vocab_size"] < tokenizer_size:
+        raise ValueError(f"vocab_size {raw['vocab_size']} is below the tokenizer's {tokenizer_size} ids")
+    tokenizer_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    raw["eos_token_id"] = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+    raw["pad_token_id"] = tokenizer_cfg.get("pad_token_id")
+    return raw
+
+
+def write_architecture(out: str | Path, raw: dict[str, Any]) -> Path:
+    """Writes a model directory without weights: `raw` as config.json (end ids from the tokenizer) and the
+    tiny tokenizer, for an engine with `random_weights`. Raises `ValueError` for a config the engine refuses."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = _with_tokenizer(out, raw)
+    try:
+        ModelConfig.from_dict(raw)
+    except KeyError as exc:
+        raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    return out
+
+
 def make_tiny(out: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None, fp8: bool = False) -> Path:
     """Creates the tiny checkpoint in `out`; `overrides` replace config fields (tests and other shapes use it);
     `fp8` writes FP8 block-quantised linear weights."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer_size = write_tiny_tokenizer(out)
     raw = {**TINY_CONFIG, **(FP8_TINY_OVERRIDES if fp8 else {}), **(overrides or {})}
     if fp8:
         raw["quantization_config"] = FP8_QUANTIZATION
-    raw.setdefault("vocab_size", -(-tokenizer_size // 64) * 64)
-    tokenizer_cfg = json.loads((out / "tokenizer_config.json").read_text())
-    gen_path = out / "generation_config.json"
-    eos = json.loads(gen_path.read_text())["eos_token_id"] if gen_path.is_file() else None
-    raw["eos_token_id"] = eos
-    raw["pad_token_id"] = tokenizer_cfg.get("pad_token_id")
+    raw = _with_tokenizer(out, raw)
     cfg = ModelConfig.from_dict(raw)
     torch.manual_seed(seed)
     fmt, dtype = (WeightFormat("fp8"), torch.bfloat16) if fp8 else (WeightFormat(), torch.float32)

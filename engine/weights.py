@@ -196,7 +196,9 @@ def random_init(model: nn.Module, seed: int, std: float = 0.02) -> None:
     the same model. Tensors are drawn in published-name order, one draw per published tensor.
 
     Numbers are drawn on the parameters' device (a CPU draw of a GLM-sized model takes tens of
-    seconds), so one seed gives one model per device type, not the same model on CPU and CUDA."""
+    seconds), so one seed gives one model per device type, not the same model on CPU and CUDA.
+    On a GPU the draws' workspace (a float32 copy of the largest tensor, the embedding) is handed
+    back at the end: the KV pool is sized from the memory left free after the weights."""
     tp: TensorParallel = model.tp  # type: ignore[assignment]
     tensors, slots = _model_tensors(model), published_slots(model)
     parameters = {id(p) for p in model.parameters()}
@@ -213,6 +215,8 @@ def random_init(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 target.zero_()
             else:
                 _place(_random_tensor(name, tuple(target.shape), tp, gen, std), tensors, slots, target.dtype)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], tp: TensorParallel, gen: torch.Generator,
@@ -222,7 +226,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], tp: TensorParallel, gen: t
     full_shape = list(shape)
     if dim is not None:
         full_shape[dim] *= tp.size
-    full = torch.randn(full_shape, generator=gen, device=gen.device) * std
+    full = torch.randn(full_shape, generator=gen, device=gen.device).mul_(std)  # in place: one float32 copy
     if dim is None or tp.size == 1:
         return StoredTensor(name, full)
     return StoredTensor(name, full, None, dim, tp.rank * shape[dim], shape[dim])

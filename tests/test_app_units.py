@@ -8,16 +8,18 @@ import collections
 import hashlib
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from ray.exceptions import TaskCancelledError
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
 from app.body_limit import BodyLimitMiddleware
-from app.config import AppConfig, ConfigError
+from app.config import AppConfig, ConfigError, EngineArgs
 from app.decode import DecodeServer
 from app.logs import log_cancellations_briefly
 from app.main import build_app
@@ -27,8 +29,15 @@ from app.router import AffinityRouter, affinity_rank
 from app.tool_parser import ToolCall, ToolCallStreamParser, parse_tool_calls
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.kv_layout import KVLayout
+from engine.linear import WeightFormat
+from engine.llm_engine import LLMEngine
+from engine.memory_plan import GIB, MemoryBudget, num_gpu_pages, weight_bytes
+from engine.model_config import ModelConfig
 from engine.request import SamplingParams
+from engine.tiny import shaped_config
 from engine.tokenizer import Tokenizer
+from engine.tp.sharding import check_shardable
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -40,10 +49,72 @@ def _args(name: str) -> dict:
 # --- config -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["tiny.yaml", "glm53.yaml", "glm53-pd.yaml"])
+SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yaml"))
+CHECKPOINT_CONFIGS = ["glm53.yaml", "glm53-pd.yaml"]
+# The GPU configs: layers of GLM-5.3 each serves, and the tensor-parallel size that splits them.
+GPU_CONFIGS = {"h200.yaml": (14, 1), "h200-pd.yaml": (14, 1), "h200-tp2.yaml": (23, 2)}
+H200_HBM_BYTES = int(150.1e9)  # what torch.cuda.mem_get_info reports on an H200
+GLM53_ARCHITECTURE = CONFIGS / "models" / "glm-5.3" / "config.json"
+
+
+def test_every_config_is_covered() -> None:
+    assert {"tiny.yaml", *CHECKPOINT_CONFIGS, *GPU_CONFIGS} <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_configs_validate(name: str) -> None:
     config = AppConfig.from_args(_args(name))
     assert config.decode.num_replicas >= 1
+    assert (config.model.path is None) == (config.model.architecture is not None)
+    assert config.engine.random_weights == (config.model.architecture is not None)
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_CONFIGS)
+def test_checkpoint_configs_need_a_real_checkpoint(name: str, tiny_dir: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    config = AppConfig.from_args(_args(name))
+    assert config.model.path == "${GLM53_MODEL_DIR}" and not config.engine.random_weights
+    monkeypatch.delenv("GLM53_MODEL_DIR", raising=False)
+    with pytest.raises(ConfigError, match=r"model.path .*GLM53_MODEL_DIR"):
+        config.resolved()
+    monkeypatch.setenv("GLM53_MODEL_DIR", str(tmp_path))  # a directory, but no checkpoint in it
+    with pytest.raises(ConfigError, match="model.path .* has no config.json"):
+        config.resolved()
+    monkeypatch.setenv("GLM53_MODEL_DIR", str(tiny_dir))
+    assert config.resolved().model.path == str(tiny_dir.resolve())
+
+
+@pytest.mark.parametrize("name", CHECKPOINT_CONFIGS)
+def test_checkpoint_configs_refuse_the_random_weight_form(name: str) -> None:
+    args = _args(name)
+    args["model"] = {"architecture": str(GLM53_ARCHITECTURE), "overrides": {"num_hidden_layers": 8}}
+    with pytest.raises(ConfigError, match=r"model.architecture has no weights: set engine.random_weights: true"):
+        AppConfig.from_args(args)
+    args["model"]["path"] = "${GLM53_MODEL_DIR}"  # both forms at once
+    with pytest.raises(ConfigError, match=r"args.model: .*give path .* or architecture .*exactly one"):
+        AppConfig.from_args(args)
+    del args["model"]["architecture"], args["model"]["overrides"]
+    args["engine"]["random_weights"] = True  # random weights alone never drop the checkpoint requirement
+    config = AppConfig.from_args(args)
+    assert config.model.path == "${GLM53_MODEL_DIR}"
+
+
+def test_model_forms_are_checked() -> None:
+    with pytest.raises(ConfigError, match="exactly one"):
+        AppConfig.from_args({"model": {}})
+    with pytest.raises(ConfigError, match="overrides change an architecture"):
+        AppConfig.from_args({"model": {"path": "x", "overrides": {"num_hidden_layers": 2}}})
+    with pytest.raises(ConfigError, match="create_tiny writes a checkpoint"):
+        AppConfig.from_args({"model": {"architecture": "x", "create_tiny": True}, "engine": {"random_weights": True}})
+    args = _args("h200-pd.yaml")
+    args["prefill_engine"]["random_weights"] = False
+    with pytest.raises(ConfigError, match="set prefill_engine.random_weights: true"):
+        AppConfig.from_args(args)
+    args["prefill_engine"].update(random_weights=True, seed=1)
+    with pytest.raises(ConfigError, match="prefill_engine.seed must equal engine.seed"):
+        AppConfig.from_args(args)
+    with pytest.raises(ConfigError, match=r"call resolved\(\) first"):
+        AppConfig.from_args(_args("h200.yaml")).engine_config()
 
 
 def test_glm53_settings() -> None:
@@ -54,6 +125,108 @@ def test_glm53_settings() -> None:
     assert (hs.policy, hs.host_pool_gib, hs.offload_pool_gib) == ("hybrid", 384, 128)
     assert config.api.max_prompt_tokens == 142_000 and config.prefill.num_replicas == 0
     assert AppConfig.from_args(_args("glm53-pd.yaml")).prefill.num_replicas >= 1
+
+
+def _pool_tokens(raw: dict, layers: int, tp: int, engine: EngineArgs) -> int:
+    """KV tokens one GPU of the replica holds at `layers` layers, by the engine's own memory plan."""
+    cfg = ModelConfig.from_dict(shaped_config(raw, {"num_hidden_layers": layers}))
+    layout = KVLayout.for_model(cfg, "fp8")
+    weights = weight_bytes(cfg, tp, WeightFormat("fp8"), torch.bfloat16)
+    reserve = int(engine.activation_reserve_gib * GIB)
+    budget = MemoryBudget(H200_HBM_BYTES, engine.gpu_memory_utilization, weights, reserve)
+    return num_gpu_pages(budget, layout) * layout.page_size
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_configs_serve_glm53_shapes_at_the_most_layers_that_fit(
+        name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the model directory is written
+    monkeypatch.chdir(CONFIGS.parent)  # the architecture path is relative to the repository root
+    layers, tp = GPU_CONFIGS[name]
+    config = AppConfig.from_args(_args(name)).resolved()
+    engine = config.engine_config()
+    assert Path(engine.model).parent == tmp_path / "hisparse-models"
+    assert not list(Path(engine.model).glob("*.safetensors"))
+    assert engine.random_weights and engine.device == "cuda" and engine.kv_dtype == "fp8"
+    assert (engine.dtype, engine.quantization, engine.tensor_parallel_size) == ("bfloat16", "fp8", tp)
+    assert engine.max_num_seqs == 64 and engine.hisparse.policy == "hybrid" and engine.hisparse.host_pool_gib >= 64
+    cfg = ModelConfig.from_dir(engine.model)
+    glm53 = ModelConfig.from_dir(GLM53_ARCHITECTURE.parent)
+    assert cfg.num_hidden_layers == layers and cfg.indexer_types == glm53.indexer_types[:layers]
+    kept = ("hidden_size", "num_attention_heads", "kv_lora_rank", "qk_rope_head_dim", "n_routed_experts",
+            "num_experts_per_tok", "moe_intermediate_size", "index_topk", "vocab_size", "first_k_dense_replace")
+    assert [getattr(cfg, k) for k in kept] == [getattr(glm53, k) for k in kept]
+    shape = (cfg.hidden_size, cfg.num_attention_heads, cfg.n_routed_experts, cfg.num_experts_per_tok)
+    assert shape == (6144, 64, 256, 8)
+    assert engine.weight_format(cfg.fp8_block_checkpoint).kind == "fp8"
+    check_shardable(cfg, tp, fp8=True)
+    tokenizer = Tokenizer.from_dir(engine.model)
+    assert tokenizer.vocab_size <= cfg.vocab_size and set(cfg.eos_token_ids) <= set(tokenizer.eos_token_ids)
+    # The layer count is the largest whose KV pool holds 16 conversations of 80K tokens.
+    raw = json.loads(GLM53_ARCHITECTURE.read_text())
+    assert _pool_tokens(raw, layers, tp, config.engine) >= 16 * 81920 > _pool_tokens(raw, layers + 1, tp, config.engine)
+    if config.prefill.num_replicas:
+        prefill = config.engine_config("prefill")
+        assert prefill.random_weights and prefill.seed == engine.seed and prefill.model == engine.model
+    assert build_app(_args(name)) is not None  # Serve accepts the deployments (placement groups included)
+
+
+def test_ray_ranks_need_one_bundle_each() -> None:
+    args = _args("h200-tp2.yaml")
+    assert len(args["decode"]["placement_group_bundles"]) == 3
+    args["decode"]["placement_group_bundles"] = args["decode"]["placement_group_bundles"][:2]
+    with pytest.raises(ConfigError, match="decode.placement_group_bundles needs 3 bundles"):
+        AppConfig.from_args(args)
+    del args["decode"]["placement_group_bundles"]
+    with pytest.raises(ConfigError, match="decode.placement_group_bundles needs 3 bundles"):
+        AppConfig.from_args(args)
+    args["engine"]["executor"] = "mp"  # spawned processes need no placement group
+    assert AppConfig.from_args(args).engine.tensor_parallel_size == 2
+
+
+def test_architecture_overrides_are_checked(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def resolve(model: dict) -> AppConfig:
+        return AppConfig.from_args({"model": model, "engine": {"random_weights": True}}).resolved()
+
+    with pytest.raises(ConfigError, match=r"model.overrides: .*\['num_hidden_layer'\]"):
+        resolve({"architecture": str(tiny_dir), "overrides": {"num_hidden_layer": 2}})
+    with pytest.raises(ConfigError, match="model.architecture with model.overrides: indexer_types must list one"):
+        resolve({"architecture": str(tiny_dir), "overrides": {"num_hidden_layers": 7}})  # tiny lists 6 layers
+    with pytest.raises(ConfigError, match="model.architecture .* is not a config.json file"):
+        resolve({"architecture": str(tmp_path / "missing.json")})
+    with pytest.raises(ConfigError, match="vocab_size 64 is below the tokenizer's"):
+        resolve({"architecture": str(tiny_dir), "overrides": {"vocab_size": 64}})
+    first = resolve({"architecture": str(tiny_dir / "config.json"), "overrides": {"num_hidden_layers": 4}}).model.path
+    again = resolve({"architecture": str(tiny_dir), "overrides": {"num_hidden_layers": 4}}).model.path
+    other = resolve({"architecture": str(tiny_dir), "overrides": {"num_hidden_layers": 5}}).model.path
+    assert first == again != other  # one directory per content
+    written = sorted(p.name for p in (tmp_path / "hisparse-models").iterdir())
+    assert written == sorted({Path(first).name, Path(other).name})  # no half-written copies left behind
+
+
+def test_tiny_architecture_serves_random_weights_on_cpu(tiny_dir: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    args = {"model": {"architecture": str(tiny_dir), "overrides": {"num_hidden_layers": 3, "index_topk": 16}},
+            "engine": {"random_weights": True, "seed": 3, "num_gpu_pages": 16, "max_model_len": 256, "max_num_seqs": 2}}
+    config = AppConfig.from_args(args).resolved()
+    tiny = ModelConfig.from_dir(tiny_dir)
+    engine = LLMEngine(config.engine_config())
+    try:
+        cfg = engine.model_config
+        assert (cfg.num_hidden_layers, cfg.index_topk, cfg.indexer_types) == (3, 16, tiny.indexer_types[:3])
+        assert cfg.hidden_size == tiny.hidden_size and cfg.vocab_size == tiny.vocab_size
+        prompt = engine.tokenizer.encode("random weights at the tiny shape, sparse past sixteen tokens of context")
+        assert len(prompt) > 16
+        [out] = engine.generate([prompt], [SamplingParams(max_tokens=4, ignore_eos=True)])
+        assert len(out.token_ids) == 4 and all(0 <= t < cfg.vocab_size for t in out.token_ids)
+        # Random, not the checkpoint beside the architecture: the tiny checkpoint's own weights answer otherwise.
+        embedding = engine.executor.worker.model.model.embed_tokens.weight  # the checkpoint's std is 0.08
+        assert embedding.std().item() == pytest.approx(0.02, rel=0.05)
+    finally:
+        engine.shutdown()
 
 
 def test_unknown_fields_are_refused_with_their_path() -> None:
