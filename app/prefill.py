@@ -3,9 +3,9 @@
 Called by decode replicas only (never by the ingress). For each `PrefillRequest`
 it runs the prompt on its own engine with `max_tokens=1`, snapshots the cached
 pages of the prompt, drops those the decode replica already holds, and publishes
-the rest as a `KVExport` object it owns. It returns the `KVHandle`; the decode
-replica reads the object. If this replica dies, its objects die with it and the
-decode replicas prefill locally.
+the rest as a `KVExport` (an Arrow record batch) in an object it owns. It
+returns the `KVHandle`; the decode replica reads the object. If this replica
+dies, its objects die with it and the decode replicas prefill locally.
 """
 
 from __future__ import annotations

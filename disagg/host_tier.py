@@ -1,12 +1,14 @@
 """The host tier between prefill and decode replicas: exports as objects in Ray's object store.
 
-A prefill replica `publish`es an export with `ray.put`: the object lives in the
-shared memory of the prefill replica's node, owned by that replica, and Ray
-moves it to the decode replica's node on first read; a reader on the same node
-gets zero-copy numpy views. The decode replica `fetch`es it through the
-`KVHandle` it got back from the prefill call. If the object is lost or its
-owner died, `fetch` raises `TransferFailed` and the decode replica prefills
-locally instead. The object is freed when the last handle to it is dropped.
+A prefill replica `publish`es an export's Arrow record batch with `ray.put`: the
+object lives in the shared memory of the prefill replica's node, owned by that
+replica, and Ray moves it to the decode replica's node on first read; a reader
+on the same node gets the batch's buffers as read-only views of that memory.
+The decode replica `fetch`es it through the `KVHandle` it got back from the
+prefill call and reads it as a `KVExport`, which refuses another format version.
+If the object is lost or its owner died, `fetch` raises `TransferFailed`; either
+way the decode replica prefills locally instead. The object is freed when the
+last handle to it is dropped.
 """
 
 from __future__ import annotations
@@ -40,14 +42,16 @@ class KVHandle:
 
 
 async def publish(export: KVExport) -> KVHandle:
-    """Puts the export in the object store (off the event loop: it copies every byte)."""
-    ref = await asyncio.to_thread(ray.put, export)
+    """Puts the export's batch in the object store (off the event loop: it copies every byte)."""
+    ref = await asyncio.to_thread(ray.put, export.batch)
     return KVHandle(ref, export.num_tokens, export.start_tokens, export.num_pages, export.num_bytes)
 
 
 async def fetch(handle: KVHandle, timeout_s: float) -> KVExport:
-    """Reads the export behind `handle`; raises `TransferFailed` when it cannot."""
+    """Reads the export behind `handle`; raises `TransferFailed` when it cannot, `ExportMismatch` when it is
+    of another format version."""
     try:
-        return await asyncio.wait_for(handle.ref, timeout_s)
+        batch = await asyncio.wait_for(handle.ref, timeout_s)
     except (RayError, asyncio.TimeoutError) as exc:
         raise TransferFailed(f"cannot read the KV export: {exc!r}") from exc
+    return KVExport(batch)

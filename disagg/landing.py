@@ -11,7 +11,8 @@ on the GPU and the replica prefills the rest itself.
 
 Must run on the engine thread (`AsyncEngine.run_in_engine`), between steps: the
 check that the pages before the export's start are still cached and the install
-that relies on it then see the same cache.
+that relies on it then see the same cache. The export's page tensors are views
+of read-only object-store memory: landing only copies out of them.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from disagg.kv_export import ExportMismatch, KVExport, pages_as_tensor
+from disagg.kv_export import ExportMismatch, KVExport
 from engine.llm_engine import LLMEngine
 from engine.prefix_transfer import PrefixSnapshot, install_prefix
 from residency.page_pool import PageUse
-from residency.prefix_cache import PrefixCache
+from residency.prefix_cache import PrefixCache, chain_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +81,10 @@ def land_prefix(engine: LLMEngine, token_ids: list[int], export: KVExport) -> La
     layout = engine.layout
     snap = PrefixSnapshot(
         num_tokens=export.num_tokens,
-        page_hashes=export.page_hashes,
-        mla=_TailPages(export.start_tokens // layout.page_size, pages_as_tensor(export.mla)),
-        indexer=_TailPages(export.start_tokens // layout.indexer_tokens_per_page, pages_as_tensor(export.indexer)),
+        # The head's keys are this replica's own; the install checks the export's against its hashing.
+        page_hashes=chain_hashes(token_ids[: export.start_tokens], layout.page_size) + export.page_hashes,
+        mla=_TailPages(export.start_tokens // layout.page_size, export.mla),
+        indexer=_TailPages(export.start_tokens // layout.indexer_tokens_per_page, export.indexer),
     )
     installed = install_prefix(engine.kv, engine.runner.executor, token_ids, snap)
     return Landing(max(installed, held), max(installed - held, 0), "gpu")
@@ -92,18 +94,18 @@ def _land_on_host(engine: LLMEngine, token_ids: list[int], export: KVExport) -> 
     """Caches the export's indexer-page groups in the host pool, in order, while host pages last."""
     kv, host = engine.kv, engine.residency.host
     hashes, _, _ = kv.lookup_prefix(token_ids)
-    if hashes[: len(export.page_hashes)] != export.page_hashes:
+    head = export.start_tokens // kv.page_size
+    if hashes[head : head + len(export.page_hashes)] != export.page_hashes:
         raise ExportMismatch("export page hashes do not match these token ids")
     per_group = kv.indexer_page_tokens // kv.page_size
-    first = export.start_tokens // kv.indexer_page_tokens
-    mla, indexer = pages_as_tensor(export.mla), pages_as_tensor(export.indexer)
+    mla, indexer, keys = export.mla, export.indexer, export.page_hashes
     held: list[int] = []  # pinned until the end so later groups cannot evict earlier ones
     landed = 0
     try:
         for g in range(indexer.shape[0]):
-            start = (first + g) * per_group
-            group = [(PageUse.MLA, export.page_hashes[start + i], mla[g * per_group + i]) for i in range(per_group)]
-            group.append((PageUse.INDEXER, export.page_hashes[start + per_group - 1], indexer[g]))
+            first = g * per_group
+            group = [(PageUse.MLA, keys[first + i], mla[first + i]) for i in range(per_group)]
+            group.append((PageUse.INDEXER, keys[first + per_group - 1], indexer[g]))
             if not _cache_group(host.cache, host.data, group, held):
                 break
             landed += 1

@@ -3,53 +3,93 @@
 Checks that landed pages give the decode engine exactly the tokens it would
 compute itself, on GPU pages or from the host pool when the GPU pool is short,
 that only pages the receiver lacks travel, and that every way an export can be
-wrong (model, layout, prompt, bytes, evicted head) is refused before a byte lands.
-An export with no pages left to send is a normal outcome: it verifies, lands
-nothing, and the decode replica neither fails nor counts a fallback.
+wrong (format version, columns, model, layout, prompt, bytes, evicted head) is
+refused before a byte lands; a refused export leaves the decode replica to
+prefill the prompt itself. The export is an Arrow record batch: it round-trips
+byte for byte through Arrow IPC and through Ray's object store, and its page
+tensors are views of the batch's buffer. An export with no pages left to send
+is a normal outcome: it verifies, lands nothing, and the decode replica neither
+fails nor counts a fallback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
+import json
+import re
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
+import ray
 import torch
 
 from app.config import AppConfig
 from app.decode import DecodeServer
-from app.messages import GenerateRequest, PrefillRequest
-from disagg.host_tier import KVHandle
-from disagg.kv_export import ExportMismatch, KVExport, export_snapshot
+from app.messages import GenerateChunk, GenerateRequest, PrefillRequest
+from disagg.host_tier import KVHandle, fetch, publish
+from disagg.kv_export import FORMAT_VERSION, ExportMismatch, KVExport, export_snapshot, layout_facts
 from disagg.landing import cached_prefix_tokens, land_prefix
 from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
+from engine.kv_layout import KVLayout
 from engine.llm_engine import LLMEngine
-from engine.prefix_transfer import snapshot_prefix
+from engine.prefix_transfer import PrefixSnapshot, snapshot_prefix
 from engine.request import SamplingParams
 from residency.config import HiSparseConfig
 from tests.helpers import assert_pages_released, greedy, make_engine
 
 MODEL_ID = "glm-tiny"
 PAGE = 576  # indexer page of the tiny model: the unit of prefix reuse and transfer
+PER_GROUP = PAGE // 64  # MLA pages per indexer page
 
 
 def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 380, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _prefill_and_export(engine: LLMEngine, ids: list[int], start_tokens: int = 0) -> KVExport:
+def _prefill_and_snapshot(engine: LLMEngine, ids: list[int]) -> PrefixSnapshot:
     engine.generate([ids], [SamplingParams(max_tokens=1, ignore_eos=True)])
-    snap = snapshot_prefix(engine.kv, engine.runner.executor, ids)
-    return export_snapshot(snap, MODEL_ID, engine.layout, ids, start_tokens)
+    return snapshot_prefix(engine.kv, engine.runner.executor, ids)
+
+
+def _prefill_and_export(engine: LLMEngine, ids: list[int], start_tokens: int = 0) -> KVExport:
+    return export_snapshot(_prefill_and_snapshot(engine, ids), MODEL_ID, engine.layout, ids, start_tokens)
+
+
+def _with_metadata(export: KVExport, **changes: str) -> pa.RecordBatch:
+    """The export's batch with some `hisparse.*` metadata values replaced."""
+    meta = {**export.batch.schema.metadata, **{f"hisparse.{k}".encode(): v.encode() for k, v in changes.items()}}
+    return export.batch.replace_schema_metadata(meta)
+
+
+def _through_ipc(batch: pa.RecordBatch) -> tuple[pa.RecordBatch, pa.Buffer]:
+    """The batch written as an Arrow IPC stream and read back from that stream's buffer (returned too)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    stream = sink.getvalue()
+    return pa.ipc.open_stream(stream).read_next_batch(), stream
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_dir: Path) -> tuple[LLMEngine, LLMEngine]:
     return make_engine(tiny_dir, num_gpu_pages=64), make_engine(tiny_dir, num_gpu_pages=64)
+
+
+@pytest.fixture(scope="module")
+def ray_store() -> Iterator[None]:
+    """A local Ray instance for its object store, shut down after the module if this module started it."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
 
 
 def test_landed_prefix_decodes_like_local_prefill(engines: tuple[LLMEngine, LLMEngine], tiny_dir: Path) -> None:
@@ -84,23 +124,69 @@ def test_only_pages_the_receiver_lacks_travel(engines: tuple[LLMEngine, LLMEngin
     assert_pages_released(decode)
 
 
-@pytest.mark.parametrize("damage", ["model", "layout", "prompt", "bytes"])
-def test_wrong_exports_are_refused(engines: tuple[LLMEngine, LLMEngine], damage: str) -> None:
+@pytest.mark.parametrize("damage, message", [
+    ("model", "export is for model 'other', this replica serves 'glm-tiny'"),
+    ("prompt", "export token ids [0, 1152) are not this prompt's"),
+    ("head", "export page hashes differ from this prompt's: the tokens before 576 differ"),
+    ("bytes", "export bytes fail their checksum"),
+])
+def test_wrong_exports_are_refused(engines: tuple[LLMEngine, LLMEngine], damage: str, message: str) -> None:
     prefill, decode = engines
-    ids = _prompt(PAGE + 50, seed=4)
-    export = _prefill_and_export(prefill, ids)
+    ids = _prompt(2 * PAGE + 50, seed=4)
+    export = _prefill_and_export(prefill, ids, start_tokens=PAGE if damage == "head" else 0)
+    export.verify(MODEL_ID, decode.layout, ids)  # undamaged, it fits
     if damage == "model":
-        export = dataclasses.replace(export, model_id="other")
-    elif damage == "layout":
-        export = dataclasses.replace(export, layout={**export.layout, "page_size": 32})
+        export = KVExport(_with_metadata(export, model_id="other"))
     elif damage == "prompt":
         ids = ids[:10] + [ids[10] + 1] + ids[11:]
+    elif damage == "head":  # the tokens the export does not carry differ: its chained page hashes tell
+        ids = ids[:10] + [ids[10] + 1] + ids[11:]
+        assert export.token_ids.tolist() == ids[PAGE : 2 * PAGE]
     else:
-        mla = export.mla.copy()
-        mla[0, 0] ^= 0xFF
-        export = dataclasses.replace(export, mla=mla)
-    with pytest.raises(ExportMismatch):
+        pages = np.frombuffer(export.batch.column("page").buffers()[1], dtype=np.uint8).copy()
+        pages[12345] ^= 0xFF
+        column = pa.FixedSizeBinaryArray.from_buffers(export.batch.schema.field("page").type, export.num_pages,
+                                                       [None, pa.py_buffer(pages)])
+        export = KVExport(pa.RecordBatch.from_arrays(export.batch.columns[:3] + [column], schema=export.batch.schema))
+    with pytest.raises(ExportMismatch, match=re.escape(message)):
         export.verify(MODEL_ID, decode.layout, ids)
+
+
+def test_export_of_another_row_format_is_refused_naming_the_differences(
+    tiny_dir: Path, engines: tuple[LLMEngine, LLMEngine]
+) -> None:
+    _, decode = engines
+    ids = _prompt(PAGE + 50, seed=13)
+    export = _prefill_and_export(make_engine(tiny_dir, num_gpu_pages=64, kv_dtype="bf16"), ids)
+    differs = ("indexer_row_bytes 64 != 128, kv_format 'bf16' != 'float32', mla_row_bytes 288 != 576, "
+               "page_bytes 110592 != 221184")
+    with pytest.raises(ExportMismatch, match=re.escape(f"differs from this replica's (export != replica): {differs}")):
+        export.verify(MODEL_ID, decode.layout, ids)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("older version", "export format version 1, this replica reads version 2"),
+    ("no version", "export format version None, this replica reads version 2"),
+    ("columns", "export columns do not match its own layout"),
+    ("rows", "export rows are not whole groups of MLA pages followed by their indexer pages"),
+])
+def test_exports_of_another_format_are_refused_when_read(
+    engines: tuple[LLMEngine, LLMEngine], damage: str, message: str
+) -> None:
+    prefill, _ = engines
+    export = _prefill_and_export(prefill, _prompt(PAGE + 50, seed=14))
+    if damage == "older version":
+        batch = _with_metadata(export, format_version="1")
+    elif damage == "no version":
+        batch = export.batch.replace_schema_metadata(
+            {k: v for k, v in export.batch.schema.metadata.items() if k != b"hisparse.format_version"})
+    elif damage == "columns":  # metadata of another page size over these columns
+        batch = _with_metadata(export, **{"layout.page_size": "32"})
+    else:  # one MLA page short of a group
+        batch = export.batch.slice(1)
+    assert KVExport(export.batch).num_pages == PER_GROUP + 1
+    with pytest.raises(ExportMismatch, match=re.escape(message)):
+        KVExport(batch)
 
 
 def test_evicted_head_lands_nothing(tiny_dir: Path, engines: tuple[LLMEngine, LLMEngine]) -> None:
@@ -144,12 +230,103 @@ def test_short_gpu_pool_lands_on_host_and_the_request_starts_non_resident(
     assert_pages_released(decode)
 
 
-def test_export_arrays_are_plain_numpy(engines: tuple[LLMEngine, LLMEngine]) -> None:
+def test_export_schema_and_metadata(engines: tuple[LLMEngine, LLMEngine]) -> None:
     prefill, _ = engines
-    ids = _prompt(PAGE + 5, seed=7)
-    export = _prefill_and_export(prefill, ids)
-    assert isinstance(export.mla, np.ndarray) and export.mla.dtype == np.uint8
-    assert export.num_bytes == export.num_pages * prefill.layout.page_bytes
+    ids = _prompt(2 * PAGE + 5, seed=7)
+    export = _prefill_and_export(prefill, ids, start_tokens=PAGE)
+    page_bytes = prefill.layout.page_bytes
+    schema = export.batch.schema
+    assert [(f.name, str(f.type), f.nullable) for f in schema] == [
+        ("use", "dictionary<values=string, indices=int8, ordered=0>", False),
+        ("page_hash", "fixed_size_binary[16]", False),
+        ("token_ids", "fixed_size_list<item: int64>[64]", True),
+        ("page", f"fixed_size_binary[{page_bytes}]", False),
+    ]
+    meta = {k.decode(): v.decode() for k, v in schema.metadata.items()}
+    assert FORMAT_VERSION == 2
+    assert {k: meta.pop(k) for k in ["hisparse.format_version", "hisparse.model_id", "hisparse.start_tokens"]} == {
+        "hisparse.format_version": "2", "hisparse.model_id": MODEL_ID, "hisparse.start_tokens": str(PAGE)}
+    assert int(meta.pop("hisparse.crc32")) == zlib.crc32(torch.cat([export.mla, export.indexer]).numpy())
+    layout = [meta[f"hisparse.layout.{k}"] for k in ("page_size", "page_bytes", "kv_format", "group_sizes")]
+    assert layout == ["64", "221184", '"float32"', "[1, 3, 2]"]
+    assert meta == {f"hisparse.layout.{k}": json.dumps(v) for k, v in layout_facts(prefill.layout).items()}
+    assert export.batch.column("use").to_pylist() == ["mla"] * PER_GROUP + ["indexer"]
+    tokens = export.batch.column("token_ids")
+    assert tokens.null_count == 1 and not tokens[PER_GROUP].is_valid
+    assert (export.num_pages, export.num_bytes) == (PER_GROUP + 1, (PER_GROUP + 1) * page_bytes)
+
+
+def _assert_export_of(export: KVExport, snap: PrefixSnapshot, ids: list[int], start: int, layout: KVLayout) -> None:
+    """Every page's bytes, every hash and token id and every metadata value are the snapshot's."""
+    first = start // 64
+    assert (export.model_id, export.layout, export.start_tokens, export.num_tokens) == (
+        MODEL_ID, layout_facts(layout), start, snap.num_tokens)
+    assert export.mla.shape[0] == snap.mla.shape[0] - first
+    assert export.indexer.shape[0] == snap.indexer.shape[0] - start // PAGE
+    for i in range(export.mla.shape[0]):
+        assert torch.equal(export.mla[i], snap.mla[first + i]), f"MLA page {first + i}"
+    for j in range(export.indexer.shape[0]):
+        assert torch.equal(export.indexer[j], snap.indexer[start // PAGE + j]), f"indexer page {start // PAGE + j}"
+    assert export.page_hashes == snap.page_hashes[first:]
+    assert export.batch.column("page_hash").to_pylist()[len(export.page_hashes) :] == \
+        snap.page_hashes[first + PER_GROUP - 1 :: PER_GROUP]
+    assert export.token_ids.tolist() == ids[start : snap.num_tokens]
+    pages = torch.cat([snap.mla[first:], snap.indexer[start // PAGE :]])
+    assert export.checksum == zlib.crc32(pages.numpy())
+
+
+@pytest.mark.parametrize("start_tokens", [0, PAGE])
+def test_export_round_trips_through_arrow_ipc(engines: tuple[LLMEngine, LLMEngine], start_tokens: int) -> None:
+    prefill, decode = engines
+    ids = _prompt(3 * PAGE + 10, seed=17)
+    snap = _prefill_and_snapshot(prefill, ids)
+    export = export_snapshot(snap, MODEL_ID, prefill.layout, ids, start_tokens)
+    assert export.num_pages == (3 - start_tokens // PAGE) * (PER_GROUP + 1)
+    batch, _ = _through_ipc(export.batch)
+    assert batch.equals(export.batch, check_metadata=True)
+    read = KVExport(batch)
+    _assert_export_of(read, snap, ids, start_tokens, prefill.layout)
+    read.verify(MODEL_ID, decode.layout, ids)
+
+
+def test_export_round_trips_through_the_object_store_and_lands_read_only(
+    tiny_dir: Path, engines: tuple[LLMEngine, LLMEngine], ray_store: None
+) -> None:
+    prefill, _ = engines
+    ids = _prompt(3 * PAGE + 10, seed=18)
+    snap = _prefill_and_snapshot(prefill, ids)
+    handle = asyncio.run(publish(export_snapshot(snap, MODEL_ID, prefill.layout, ids, PAGE)))
+    assert (handle.num_tokens, handle.start_tokens, handle.num_pages) == (3 * PAGE, PAGE, 2 * (PER_GROUP + 1))
+    export = asyncio.run(fetch(handle, timeout_s=30))
+    _assert_export_of(export, snap, ids, PAGE, prefill.layout)
+    buffer = export.batch.column("page").buffers()[1]
+    assert not buffer.is_mutable  # object-store memory
+    assert export.mla.data_ptr() == buffer.address
+    decode = make_engine(tiny_dir, num_gpu_pages=64)
+    decode.generate([ids[:PAGE + 1]], [greedy(1)])  # it holds the head the export leaves out
+    export.verify(MODEL_ID, decode.layout, ids)
+    assert land_prefix(decode, ids, export) == (3 * PAGE, 2 * PAGE, "gpu")
+    _assert_export_of(export, snap, ids, PAGE, prefill.layout)  # landing wrote nothing into the export
+    [out] = decode.generate([ids], [greedy(4)])
+    assert out.num_cached_tokens == 3 * PAGE
+
+
+def test_page_tensors_are_views_of_the_arrow_buffers(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, _ = engines
+    ids = _prompt(2 * PAGE + 5, seed=19)
+    snap = _prefill_and_snapshot(prefill, ids)
+    export = export_snapshot(snap, MODEL_ID, prefill.layout, ids, 0)
+    page_buffer = export.batch.column("page").buffers()[1]
+    assert page_buffer.address == snap.mla.data_ptr()  # from token 0 the snapshot's pages are used in place
+    batch, stream = _through_ipc(export.batch)
+    read = KVExport(batch)
+    page_buffer = batch.column("page").buffers()[1]
+    assert stream.address <= page_buffer.address
+    assert page_buffer.address + page_buffer.size <= stream.address + stream.size  # read in place from the stream
+    assert read.mla.data_ptr() == page_buffer.address
+    assert read.indexer.data_ptr() == page_buffer.address + 2 * PER_GROUP * prefill.layout.page_bytes
+    token_values = batch.column("token_ids").values.buffers()[1]
+    assert read.token_ids.ctypes.data == token_values.address
 
 
 @pytest.mark.parametrize("start_tokens", [PAGE, PAGE + 40, 3 * PAGE])
@@ -182,45 +359,76 @@ def test_export_of_an_empty_snapshot_lands_nothing(tiny_dir: Path, engines: tupl
     assert len(out.token_ids) == 3
 
 
-class _EmptyExportPrefill:
-    """A prefill deployment whose replica had no page to export past what the decode replica holds."""
+class _StubPrefill:
+    """A prefill deployment whose replica answers every request with the handle `handle_of` gives."""
 
-    def __init__(self) -> None:
+    def __init__(self, handle_of: Callable[[PrefillRequest], KVHandle]) -> None:
         self.prefill = self  # `handle.prefill.remote(...)`
+        self.handle_of = handle_of
         self.requests: list[PrefillRequest] = []
 
     def remote(self, req: PrefillRequest) -> asyncio.Future:
         self.requests.append(req)
         response = asyncio.get_running_loop().create_future()
-        # The ref is never read: a handle with no pages has nothing to fetch.
-        response.set_result(KVHandle(None, req.start_tokens, req.start_tokens, num_pages=0, num_bytes=0))
+        response.set_result(self.handle_of(req))
         return response
 
 
-class _TransferLog:
+class _Metrics:
+    """Records the replica's transfer outcomes; ignores its request metrics."""
+
     def __init__(self) -> None:
         self.outcomes: list[str] = []
 
     def transfer(self, outcome: str, *args: object) -> None:
         self.outcomes.append(outcome)
 
+    def request_finished(self, *args: object) -> None:
+        pass
 
-def test_decode_takes_an_empty_export_as_nothing_to_import(tiny_dir: Path) -> None:
-    async def run() -> tuple[collections.Counter, list[str], list[PrefillRequest]]:
+
+def _decode(tiny_dir: Path, prefill: _StubPrefill, req: GenerateRequest) -> tuple[DecodeServer, list[GenerateChunk]]:
+    """Runs `req` on a decode replica's state (without Serve) whose prefill deployment is `prefill`."""
+
+    async def run() -> tuple[DecodeServer, list[GenerateChunk]]:
         server = object.__new__(DecodeServer)  # the replica's state without Serve
         server._config = AppConfig.from_args({"model": {"path": str(tiny_dir)}})
         server.engine = AsyncEngine(EngineConfig(model=str(tiny_dir), num_gpu_pages=64))
-        server.counters, server.metrics = collections.Counter(), _TransferLog()
-        server._prefill = _EmptyExportPrefill()
+        server.counters, server.metrics = collections.Counter(), _Metrics()
+        server._prefill = prefill
         server._min_transfer_tokens = server._reuse_unit = PAGE
         try:
-            await server._prefill_remotely(GenerateRequest("r1", _prompt(2 * PAGE + 10, seed=12), greedy(2)))
+            return server, [chunk async for chunk in server.generate(req)]
         finally:
             server.engine.shutdown()
-        return server.counters, server.metrics.outcomes, server._prefill.requests
 
-    counters, outcomes, requests = asyncio.run(run())
-    assert [r.start_tokens for r in requests] == [0]
-    assert counters["transfer_fallbacks"] == 0 and counters["imported_tokens"] == 0
-    assert counters["empty_exports"] == 1
-    assert outcomes == []
+    return asyncio.run(run())
+
+
+def test_decode_takes_an_empty_export_as_nothing_to_import(tiny_dir: Path) -> None:
+    # The ref is never read: a handle with no pages has nothing to fetch.
+    prefill = _StubPrefill(lambda req: KVHandle(None, req.start_tokens, req.start_tokens, num_pages=0, num_bytes=0))
+    server, chunks = _decode(tiny_dir, prefill, GenerateRequest("r1", _prompt(2 * PAGE + 10, seed=12), greedy(2)))
+    assert [r.start_tokens for r in prefill.requests] == [0]
+    assert server.counters["transfer_fallbacks"] == 0 and server.counters["imported_tokens"] == 0
+    assert server.counters["empty_exports"] == 1
+    assert server.metrics.outcomes == []
+    assert chunks[-1].finished and chunks[-1].num_output_tokens == 2
+
+
+def test_decode_prefills_locally_when_the_export_is_of_another_version(
+    tiny_dir: Path, engines: tuple[LLMEngine, LLMEngine], ray_store: None
+) -> None:
+    prefill, _ = engines
+    ids = _prompt(2 * PAGE + 10, seed=16)
+    export = _prefill_and_export(prefill, ids)
+    ref = ray.put(_with_metadata(export, format_version="1"))
+    stub = _StubPrefill(lambda req: KVHandle(ref, export.num_tokens, 0, export.num_pages, export.num_bytes))
+    server, chunks = _decode(tiny_dir, stub, GenerateRequest("r2", ids, greedy(4)))
+    assert len(stub.requests) == 1
+    assert server.counters["transfer_fallbacks"] == 1 and server.counters["remote_prefills"] == 0
+    assert server.metrics.outcomes == ["fallback"]
+    last = chunks[-1]  # served all the same, its prompt computed here
+    assert (last.finished, last.error_status, last.num_output_tokens, last.num_cached_tokens) == (True, None, 4, 0)
+    [reference] = make_engine(tiny_dir, num_gpu_pages=64).generate([ids], [greedy(4)])
+    assert "".join(c.text_delta for c in chunks) == reference.text
