@@ -48,13 +48,13 @@ from engine.request import SamplingParams  # noqa: E402
 from engine.tiny import TINY_CONFIG  # noqa: E402
 from engine.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 from residency.config import HiSparseConfig  # noqa: E402
+from agent_trace import FIRST_TURN, LATER_TURN, OUTPUT, TURNS  # noqa: E402
 from topk_trace import ReuseDistanceTrace  # noqa: E402
 
 logger = logging.getLogger("bench.policies")
 
 GLM53_GPU_PAGES = 9269  # engine.memory_plan for GLM-5.3, FP8 KV, 8x H200 at 0.92 utilisation
 GLM53_HOST_PAGES = 125907  # 384 GiB of GLM-5.3 pages
-FIRST_TURN, LATER_TURN, OUTPUT = 74160, 753, 220
 
 
 def glm53_shaped_config(layers: int, experts: int, topk: int) -> dict:
@@ -252,7 +252,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--scale", type=float, default=0.125, help="factor on every token count and pool size")
     parser.add_argument("--conversations", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=13)
+    parser.add_argument("--turns", type=int, default=TURNS)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--trace", action="append", choices=["model", "synthetic"])

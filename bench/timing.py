@@ -19,13 +19,17 @@ import triton.testing
 OUT_DIR = Path(os.environ.get("OUT") or Path(__file__).parent / "out")
 
 
-def run_log(name: str) -> Callable[[str], None]:
-    """A `log(msg)` that prints and appends to `OUT_DIR/<name>.log` when that folder exists."""
+def run_log(name: str, out: Path | None = None) -> Callable[[str], None]:
+    """A `log(msg)` that prints and appends to `<out>/<name>.log`: `out` made if given, else `OUT_DIR` when
+    that folder exists."""
+    folder = OUT_DIR if out is None else out
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
 
     def log(msg: str) -> None:
         print(msg, flush=True)
-        if OUT_DIR.is_dir():
-            with open(OUT_DIR / f"{name}.log", "a") as f:
+        if folder.is_dir():
+            with open(folder / f"{name}.log", "a") as f:
                 f.write(msg + "\n")
 
     return log
