@@ -60,8 +60,12 @@ import triton.language as tl
 PAGE_SIZE = 64
 _COPY_RUNS_PER_PROGRAM = 4
 _COPY_PROGRAMS_PER_SM = 8
-_SEARCH_WAYS = 4  # threshold probes per round of the victim search
-_R_BLOCK = 1024  # hot slots per chunk of the victim search: one compiled plan for any hot buffer size
+# Threshold probes per round of the victim search: binary search. H200, B = 100, 1 % misses, CUDA graph: 1, 2,
+# 4 and 8 probes a round all take 30.6-32.4 us with 1,024-slot chunks (bench/RESULTS.md, 2026-12-01).
+_SEARCH_WAYS = 1
+# Hot slots per chunk of the victim search: one compiled plan for any hot buffer size; the default buffer
+# (2 x top-K = 4,096 slots) in one chunk: 23 us at 1 % misses against 26 (2,048) and 31 (1,024).
+_R_BLOCK = 4096
 _B_BLOCK = 64  # requests per chunk of the copy's prefix sum: one compiled copy for any batch
 
 
