@@ -9,7 +9,7 @@ When the host has two GPUs or more each actor holds one, a different one;
 otherwise both are CPU-only and the receiver lands into host memory. Timed: the
 put (sender), the get and read (receiver), the landing copy (receiver); transfer
 GB/s = export bytes / (put + get + land). The receiver's `verify` (token ids,
-page hashes, CRC-32 of every byte) is timed apart: it is on the decode path but
+page hashes) is timed apart: it is on the decode path but
 moves no bytes. The ceiling is a host-to-host `copy_` of the same size between
 two plain buffers in the receiver, measured in the same run; on one node a
 transfer copies every byte twice (into the store, out to the landing), so about

@@ -18,7 +18,6 @@ import asyncio
 import collections
 import json
 import re
-import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -128,7 +127,6 @@ def test_only_pages_the_receiver_lacks_travel(engines: tuple[LLMEngine, LLMEngin
     ("model", "export is for model 'other', this replica serves 'glm-tiny'"),
     ("prompt", "export token ids [0, 1152) are not this prompt's"),
     ("head", "export page hashes differ from this prompt's: the tokens before 576 differ"),
-    ("bytes", "export bytes fail their checksum"),
 ])
 def test_wrong_exports_are_refused(engines: tuple[LLMEngine, LLMEngine], damage: str, message: str) -> None:
     prefill, decode = engines
@@ -142,12 +140,6 @@ def test_wrong_exports_are_refused(engines: tuple[LLMEngine, LLMEngine], damage:
     elif damage == "head":  # the tokens the export does not carry differ: its chained page hashes tell
         ids = ids[:10] + [ids[10] + 1] + ids[11:]
         assert export.token_ids.tolist() == ids[PAGE : 2 * PAGE]
-    else:
-        pages = np.frombuffer(export.batch.column("page").buffers()[1], dtype=np.uint8).copy()
-        pages[12345] ^= 0xFF
-        column = pa.FixedSizeBinaryArray.from_buffers(export.batch.schema.field("page").type, export.num_pages,
-                                                       [None, pa.py_buffer(pages)])
-        export = KVExport(pa.RecordBatch.from_arrays(export.batch.columns[:3] + [column], schema=export.batch.schema))
     with pytest.raises(ExportMismatch, match=re.escape(message)):
         export.verify(MODEL_ID, decode.layout, ids)
 
@@ -246,7 +238,6 @@ def test_export_schema_and_metadata(engines: tuple[LLMEngine, LLMEngine]) -> Non
     assert FORMAT_VERSION == 2
     assert {k: meta.pop(k) for k in ["hisparse.format_version", "hisparse.model_id", "hisparse.start_tokens"]} == {
         "hisparse.format_version": "2", "hisparse.model_id": MODEL_ID, "hisparse.start_tokens": str(PAGE)}
-    assert int(meta.pop("hisparse.crc32")) == zlib.crc32(torch.cat([export.mla, export.indexer]).numpy())
     layout = [meta[f"hisparse.layout.{k}"] for k in ("page_size", "page_bytes", "kv_format", "group_sizes")]
     assert layout == ["64", "221184", '"float32"', "[1, 3, 2]"]
     assert meta == {f"hisparse.layout.{k}": json.dumps(v) for k, v in layout_facts(prefill.layout).items()}
@@ -271,8 +262,6 @@ def _assert_export_of(export: KVExport, snap: PrefixSnapshot, ids: list[int], st
     assert export.batch.column("page_hash").to_pylist()[len(export.page_hashes) :] == \
         snap.page_hashes[first + PER_GROUP - 1 :: PER_GROUP]
     assert export.token_ids.tolist() == ids[start : snap.num_tokens]
-    pages = torch.cat([snap.mla[first:], snap.indexer[start // PAGE :]])
-    assert export.checksum == zlib.crc32(pages.numpy())
 
 
 @pytest.mark.parametrize("start_tokens", [0, PAGE])
