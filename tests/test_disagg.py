@@ -21,7 +21,6 @@ import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pytest
 import ray
