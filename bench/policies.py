@@ -79,18 +79,10 @@ class SyntheticTopK:
         self.seed = seed
         self._trace: ReuseDistanceTrace | None = None  # made at the first call: top-K and device known then
 
-    def write_mla_rows(self, kv_pool: torch.Tensor, layer: int, slots: torch.Tensor, latent: torch.Tensor,
-                       rope: torch.Tensor) -> None:
-        self.ops.write_mla_rows(kv_pool, layer, slots, latent, rope)
-
-    def write_indexer_rows(self, kv_pool: torch.Tensor, full_index: int, slots: torch.Tensor,
-                           keys: torch.Tensor) -> None:
-        self.ops.write_indexer_rows(kv_pool, full_index, slots, keys)
-
-    def sparse_mla(
-        self, q: torch.Tensor, kv_view: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        return self.ops.sparse_mla(q, kv_view, slots, lens, scale)
+    def __getattr__(self, name: str):  # noqa: ANN204 - every other op is the engine's own
+        if name == "ops":
+            raise AttributeError(name)
+        return getattr(self.ops, name)
 
     def indexer_topk(
         self, q: torch.Tensor, weights: torch.Tensor, view: torch.Tensor, batch: ForwardBatch, topk: int,

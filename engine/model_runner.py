@@ -61,9 +61,6 @@ class ModelRunner:
                 logits_rows.append(len(ids) - 1)
         page, idx_page = self.layout.page_size, self.layout.indexer_tokens_per_page
         reqs = [s.request for s in scheduled]
-        for r in reqs:
-            if r.hot is not None:  # the resolve reads a host entry (maybe none yet) for every logical page
-                ResidencyManager.align(r)
         return StepInput(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),

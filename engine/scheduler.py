@@ -2,19 +2,27 @@
 
 Each step spends a token budget (`max_num_batched_tokens`): first on running
 requests in admission order (one token for a decode, a chunk for an unfinished
-prefill), then on admitting waiting requests while `max_num_seqs` allows. When a
-running request cannot get its pages, the pressure policy frees pages (the
-default preempts the most recently admitted request, which recomputes later).
+prefill), then on admitting waiting requests while `max_num_seqs` allows. The
+pressure policy is asked once, at the start of the step, for the step's
+`ResidencyPlan` (residency/plan.py): promotions, carried out at once; the
+ordered actions that free pages when a running request cannot get its pages
+(the default preempts the most recently admitted request, which recomputes
+later); the demotions offered to admit a waiting request; whether the step's
+rows are mirrored to host. Filling the batch then only carries out that plan,
+as far as pages are actually short.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
+from residency.mirroring import align
+from residency.plan import ResidencyPlan, RoomAction, RoomKind
 from residency.policies import PreemptPolicy, PressurePolicy
 
 logger = logging.getLogger(__name__)
@@ -45,6 +53,7 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    mirror_rows: bool = False  # the plan's: copy the step's new rows to host after the forward
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +72,9 @@ class Scheduler:
         self.swapped: deque[Request] = deque()
         self.num_preemptions = 0
         self.num_swaps = 0
+        self._room: Iterator[RoomAction] = iter(())  # the step's plan: room-making actions not yet taken
+        self._offer: Iterable[Request] = ()  # the step's plan: requests offered for demotion to admit
+        self._offered: list[Request] | None = None  # that offer, ordered when first needed
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -108,8 +120,9 @@ class Scheduler:
         return outputs >= req.params.max_tokens or req.num_tokens >= self.config.max_model_len
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        self.policy.rebalance(self)
+        plan = self.policy.plan(self)  # the step's one residency decision point
+        out = SchedulerOutput(mirror_rows=plan.mirror_rows)
+        self._start(plan)
         budget = self.config.max_num_batched_tokens
         pressure_before = self.num_preemptions + self.num_swaps
         i = 0
@@ -133,6 +146,8 @@ class Scheduler:
                 budget = self._admit(out, budget)
         for s in out.scheduled:  # making room may have demoted a request after its chunk was sized
             s.num_new_tokens = self._chunk(s.request, s.num_new_tokens)
+            if s.request.hot is not None:  # the resolve reads a host entry (maybe none yet) for every page
+                align(s.request)
         return out
 
     @property
@@ -175,21 +190,62 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _start(self, plan: ResidencyPlan) -> None:
+        """Carries out the plan's promotions and keeps the rest for when pages run short."""
+        for req in plan.promote:
+            self.kv.residency.promote(req)
+        self._room = iter(plan.make_room)
+        self._offer, self._offered = plan.admit_room, None
+
     def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Pages for `req`'s next chunk, taking the plan's room-making actions in order while they are short;
+        False when `req` must wait (the actions ran out, or it was the one that gave way)."""
         while not self.kv.allocate(req, num_tokens):
-            needed = self.kv.pages_needed(req, num_tokens) - self.kv.num_available
-            if not self.policy.make_room(self, needed, req):
+            action = next(self._room, None)
+            if action is None or not self._make_room(action, req):
                 return False
         return True
 
+    def _make_room(self, action: RoomAction, requester: Request) -> bool:
+        """Carries out one action (skipped for a request gone earlier in the step); False when it removed
+        `requester`."""
+        victim = action.request
+        if action.kind is RoomKind.AWAIT_MIRRORS:
+            self.kv.residency.mirroring.poll(wait=True)
+            return True
+        if victim not in self.running:
+            return True
+        if action.kind is RoomKind.DEMOTE:
+            self.kv.residency.demote(victim)
+            return True
+        if action.kind is not RoomKind.SWAP_OUT or not self.swap_out(victim):
+            self.preempt(victim)  # swapping falls back to recompute when the host pool is full
+        return victim is not requester
+
     def _admit_pages(self, req: Request, num_tokens: int) -> bool:
-        """Pages for a waiting request's first chunk. When they are short, the policy may free pages
-        (never by preempting), but only enough for the whole prompt: a request admitted with room for
+        """Pages for a waiting request's first chunk. When they are short, the plan's offered demotions may
+        free pages (never preemption), but only enough for the whole prompt: a request admitted with room for
         its first chunk alone would take its later chunks from requests still prefilling."""
         if self.kv.allocate(req, num_tokens):
             return True
         needed = self.kv.pages_needed(req, req.num_tokens) - self.kv.num_available
-        return self.policy.admit_room(self, needed) and self.kv.allocate(req, num_tokens)
+        return self._admission_room(needed) and self.kv.allocate(req, num_tokens)
+
+    def _admission_room(self, needed: int) -> bool:
+        """Demotes the plan's offered requests towards `needed`, largest offer first, only if together they
+        can free it (a demotion that cannot admit anyone only costs misses)."""
+        if self._offered is None:
+            self._offered = list(self._offer)
+        residency = self.kv.residency
+        offered = [r for r in self._offered if r in self.running]
+        if not offered or sum(max(residency.demotion_gain(r), 0) for r in offered) < needed:
+            return False
+        freed = 0
+        for req in offered:
+            if freed >= needed:
+                break
+            freed += residency.demote(req)
+        return freed >= needed
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -219,8 +275,7 @@ class Scheduler:
                 continue
             s.request.num_computed_tokens += s.num_new_tokens
             self.kv.cache_full_pages(s.request)
-        residency = self.kv.residency
-        if residency is not None and residency.config.traits.mirrors_ahead:
-            residency.mirroring.mirror_step([(s.request, s.request.num_computed_tokens - s.num_new_tokens,
+        if out.mirror_rows:
+            self.kv.residency.mirroring.mirror_step([(s.request, s.request.num_computed_tokens - s.num_new_tokens,
                                               s.request.num_computed_tokens)
                                              for s in out.scheduled if not s.request.is_finished])

@@ -2,7 +2,8 @@
 (residency/mirroring.py), hot leases (residency/hot_leases.py) and whole-request
 swapping (residency/swapping.py) run under it.
 
-Mechanism only; the pressure policies (policies.py) decide when to use it.
+Mechanism only; the pressure policies (policies.py) decide when to use it, in the one plan per step
+(plan.py) the scheduler carries out.
 A request's page table maps each logical MLA page to a GPU page, a host page,
 or both (`mla_pages[i]` / `host_pages[i]`, None where absent). Derived state:
 full (every page on GPU), mixed (some pages host-only, hot buffer leased),
@@ -27,7 +28,7 @@ from residency.hot_buffer import PAGE_SIZE
 from residency.hot_leases import HotLeases
 from residency.host_pool import HostPool
 from residency.interfaces import PagedRequest, PoolExecutor
-from residency.mirroring import Mirroring, align
+from residency.mirroring import Mirroring
 from residency.page_pool import PageUse
 from residency.prefix_cache import PrefixCache
 from residency.stats import ResidencyStats, ResolveCounts
@@ -62,8 +63,6 @@ class ResidencyManager:
         if None not in completed:
             return "full"
         return "none" if completed.count(None) == len(completed) else "mixed"
-
-    align = staticmethod(align)
 
     @property
     def mirror_backlog(self) -> int:

@@ -1,4 +1,5 @@
-"""Pressure policies: what frees GPU pages when the next step does not fit.
+"""Pressure policies: what frees GPU pages when the next step does not fit, decided once per step as a
+`ResidencyPlan` (residency/plan.py) that the scheduler carries out.
 
 - `hybrid`: demote running requests whose completed pages are already mirrored
   (their GPU pages free at once, no copy on the critical path), lease them hot
@@ -17,111 +18,90 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from residency.interfaces import PagedRequest
 from residency.manager import ResidencyManager
+from residency.plan import ResidencyPlan, RoomAction, RoomKind
 
 
 class SchedulerView(Protocol):
-    """The scheduler operations a policy may use."""
+    """What a policy reads of the scheduler to plan a step."""
 
     running: list
     waiting: Any
 
-    def preempt(self, req: PagedRequest) -> None: ...
-
-    def swap_out(self, req: PagedRequest) -> bool: ...
-
 
 class PressurePolicy(Protocol):
-    def make_room(self, scheduler: SchedulerView, needed: int, requester: PagedRequest) -> bool:
-        """Frees pages towards `needed`; False when `requester` must wait (it may have been preempted)."""
+    def plan(self, scheduler: SchedulerView) -> ResidencyPlan:
+        """The step's residency decisions, asked once at the start of each step (residency/plan.py)."""
         ...
 
-    def rebalance(self, scheduler: SchedulerView) -> None:
-        """Runs before each step's scheduling: moves pages back when memory allows."""
-        ...
 
-    def admit_room(self, scheduler: SchedulerView, needed: int) -> bool:
-        """Frees pages towards `needed` so a waiting request can start; True when enough were freed.
-        Never parks or preempts: a running request is not traded for a waiting one."""
-        ...
+def _newest_first(scheduler: SchedulerView, kind: RoomKind) -> Iterator[RoomAction]:
+    """The most recently admitted request first, over the running list as it is when first needed."""
+    for req in list(reversed(scheduler.running)):
+        yield RoomAction(kind, req)
 
 
 class PreemptPolicy:
-    def make_room(self, scheduler: SchedulerView, needed: int, requester: PagedRequest) -> bool:
-        victim = scheduler.running[-1]
-        scheduler.preempt(victim)
-        return victim is not requester
+    def plan(self, scheduler: SchedulerView) -> ResidencyPlan:
+        return ResidencyPlan(make_room=_newest_first(scheduler, RoomKind.PREEMPT))
 
-    def rebalance(self, scheduler: SchedulerView) -> None:
-        return None
 
-    def admit_room(self, scheduler: SchedulerView, needed: int) -> bool:
-        return False
+class OffloadPolicy:
+    def plan(self, scheduler: SchedulerView) -> ResidencyPlan:
+        return ResidencyPlan(make_room=_newest_first(scheduler, RoomKind.SWAP_OUT))
 
 
 class HybridPolicy:
     def __init__(self, residency: ResidencyManager) -> None:
         self.residency = residency
 
-    def make_room(self, scheduler: SchedulerView, needed: int, requester: PagedRequest) -> bool:
-        freed = self._demote(scheduler, needed)
-        if freed == 0:  # mirrors still in flight: waiting for them costs less than a recompute
-            self.residency.mirroring.poll(wait=True)
-            freed = self._demote(scheduler, needed)
-        if freed > 0:
-            return True
-        return OffloadPolicy().make_room(scheduler, needed, requester)  # park the newest, else preempt
+    def plan(self, scheduler: SchedulerView) -> ResidencyPlan:
+        """Promotions while pages are plentiful; under pressure demotions, then parking the newest; decoding
+        requests offered to admit a waiting one; every step's rows mirrored ahead."""
+        return ResidencyPlan(promote=self._promotions(scheduler), make_room=self._make_room(scheduler),
+                             admit_room=self._admission_offer(scheduler),
+                             mirror_rows=self.residency.config.traits.mirrors_ahead)
 
-    def admit_room(self, scheduler: SchedulerView, needed: int) -> bool:
-        """Demotes decoding requests (their prompts done, so only their decode rows pay misses) to
-        let a waiting request start: this is where hybrid's concurrency comes from."""
-        decoding = [r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens]
-        if sum(max(self.residency.demotion_gain(r), 0) for r in decoding) < needed:
-            return False  # not enough to admit it: demote no one for nothing
-        return self._demote(scheduler, needed, decoding) >= needed
+    def _make_room(self, scheduler: SchedulerView) -> Iterator[RoomAction]:
+        """Demotions (largest gain first), again once the mirrors in flight land (waiting for them costs less
+        than a recompute), then the newest request parked (preempted when the host cannot take it)."""
+        for req in self._by_gain(scheduler.running):
+            yield RoomAction(RoomKind.DEMOTE, req)
+        yield RoomAction(RoomKind.AWAIT_MIRRORS)
+        for req in self._by_gain(scheduler.running):
+            yield RoomAction(RoomKind.DEMOTE, req)
+        yield from _newest_first(scheduler, RoomKind.SWAP_OUT)
 
-    def _demote(self, scheduler: SchedulerView, needed: int, candidates: list | None = None) -> int:
-        """Demotes decoding requests first, largest gain first: a demoted request still prefilling
-        computes its remaining prompt through its hot buffer, a few rows a step while pages are short."""
-        freed = 0
-        pool = scheduler.running if candidates is None else candidates
-        for req in sorted(pool, key=lambda r: (r.num_computed_tokens < r.num_prompt_tokens,
-                                               -self.residency.demotion_gain(r))):
-            if freed >= needed:
-                break
-            if self.residency.demotion_gain(req) > 0:
-                freed += self.residency.demote(req)
-        return freed
+    def _admission_offer(self, scheduler: SchedulerView) -> Iterator:
+        """Decoding requests (their prompts done, so only their decode rows pay misses), largest gain first:
+        this is where hybrid's concurrency comes from."""
+        yield from self._by_gain([r for r in scheduler.running if r.num_computed_tokens >= r.num_prompt_tokens])
 
-    def rebalance(self, scheduler: SchedulerView) -> None:
-        if scheduler.waiting:  # requests are queued for pages: promoting now would be undone at once
-            return
-        cache = self.residency.gpu_cache
-        reserve = int(self.residency.config.promote_free_fraction * cache.pool.num_pages)
+    def _by_gain(self, requests: list) -> list:
+        """Decoding requests first, largest gain first: a demoted request still prefilling computes its
+        remaining prompt through its hot buffer, a few rows a step while pages are short."""
+        return sorted(requests, key=lambda r: (r.num_computed_tokens < r.num_prompt_tokens,
+                                               -self.residency.demotion_gain(r)))
+
+    def _promotions(self, scheduler: SchedulerView) -> list:
+        """Host-resident requests to re-promote: only while nothing waits for pages (a promotion would be
+        undone by the next admission) and a share of the pool stays free afterwards."""
+        if scheduler.waiting:
+            return []
+        reserve = int(self.residency.config.promote_free_fraction * self.residency.gpu_cache.pool.num_pages)
+        available = self.residency.gpu_cache.num_available
+        promote = []
         for req in scheduler.running:
             if self.residency.state(req) == "full" and req.hot is None:
                 continue
             cost = self.residency.promotion_cost(req) - (len(req.hot.pages) if req.hot else 0)
-            if cache.num_available - cost >= reserve:
-                self.residency.promote(req)
-
-
-class OffloadPolicy:
-    def make_room(self, scheduler: SchedulerView, needed: int, requester: PagedRequest) -> bool:
-        victim = scheduler.running[-1]
-        if not scheduler.swap_out(victim):
-            scheduler.preempt(victim)  # host pool full: fall back to recompute
-        return victim is not requester
-
-    def rebalance(self, scheduler: SchedulerView) -> None:
-        return None
-
-    def admit_room(self, scheduler: SchedulerView, needed: int) -> bool:
-        return False
+            if available - cost >= reserve:
+                promote.append(req)
+                available -= cost
+        return promote
 
 
 def make_policy(name: str, residency: ResidencyManager | None) -> PressurePolicy:
@@ -129,7 +109,7 @@ def make_policy(name: str, residency: ResidencyManager | None) -> PressurePolicy
         "off": PreemptPolicy,
         "preempt": PreemptPolicy,
         "hybrid": lambda: HybridPolicy(_need(residency, name)),
-        "offload": lambda: OffloadPolicy(),
+        "offload": OffloadPolicy,
     }
     if name not in factories:
         raise ValueError(f"unknown policy {name!r}; choose from {sorted(factories)}")

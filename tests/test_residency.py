@@ -338,3 +338,52 @@ def test_hybrid_admits_a_waiting_request_by_demoting_decoding_ones(tiny_dir: Pat
     assert peak == (3 if policy == "hybrid" else 2)
     assert (engine.stats()["pages_demoted"] > 0) == (policy == "hybrid")
     assert_pages_released(engine)
+
+
+class _CountingPolicy:
+    """Wraps an engine's pressure policy and counts how often the scheduler asks it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.plans, self.kinds_taken = inner, 0, set()
+
+    def plan(self, scheduler):
+        self.plans += 1
+        plan = self.inner.plan(scheduler)
+        plan.make_room = self._seen(plan.make_room)
+        return plan
+
+    def _seen(self, actions):
+        for action in actions:
+            self.kinds_taken.add(action.kind.name.lower())
+            yield action
+
+
+@pytest.mark.parametrize("policy", ["hybrid", "offload", "preempt"])
+def test_residency_is_decided_once_per_step(tiny_dir: Path, ample_run, policy: str) -> None:
+    """Under pressure every policy is asked for exactly one plan per scheduled step, and the scheduler
+    carries out its room-making actions (demotions and mirror waits for hybrid, swaps for offload,
+    preemptions otherwise) with the same tokens as an ample pool."""
+    engine = _engine(tiny_dir, policy)
+    scheduler = engine.scheduler
+    counting = _CountingPolicy(scheduler.policy)
+    scheduler.policy = counting
+    schedule, calls = scheduler.schedule, []
+    scheduler.schedule = lambda: calls.append(1) or schedule()
+    _assert_matches_ample(engine, ample_run)
+    assert counting.plans == len(calls) >= engine.num_steps > 0
+    expected = {"hybrid": {"demote"}, "offload": {"swap_out"}, "preempt": {"preempt"}}[policy]
+    assert expected <= counting.kinds_taken, counting.kinds_taken
+    assert_pages_released(engine)
+
+
+def test_the_mechanism_never_names_a_policy() -> None:
+    """Policy branches live in the policy objects: the scheduler and the residency mechanism read the plan
+    and the policies' traits, never a policy's name."""
+    root = Path(__file__).resolve().parent.parent
+    mechanism = [root / "engine" / "scheduler.py", root / "engine" / "kv_cache_manager.py"]
+    mechanism += [p for p in (root / "residency").glob("*.py") if p.name not in ("policies.py", "config.py")]
+    for path in mechanism:
+        code = path.read_text()
+        for name in ("hybrid", "offload", "preempt"):
+            for quoted in (f'"{name}"', f"'{name}'"):
+                assert quoted not in code, f"{path.name} tests the policy name {quoted}"
