@@ -230,3 +230,12 @@ def pack_indexer_rows_into_reference(keys: torch.Tensor, pool: torch.Tensor, slo
     """Twin of `pack_indexer_rows_into` through `fp8_rows.pack_indexer_rows`."""
     _check([("keys", keys)], pool, slots, place, fp8_rows.indexer_row_bytes(keys.shape[1]))
     _scatter_rows(fp8_rows.pack_indexer_rows(keys), pool, slots, place)
+
+
+@triton.jit
+def _cast_out(v, ptr, SOFT_CVT: tl.constexpr):
+    """float32 v in the element type of ptr, rounded to nearest even (the interpreter's own fp32 -> bf16
+    conversion truncates, so under SOFT_CVT bf16 is rounded in integer arithmetic first)."""
+    if SOFT_CVT and ptr.dtype.element_ty == tl.bfloat16:
+        v = (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
+    return v.to(ptr.dtype.element_ty)

@@ -42,17 +42,18 @@ Launches (`fused_moe`):
 4. a sum over the k slots of each token into out [T, H].
 (fp8 weights add the two quantisation launches, or one when the caller passes x's
 quantisation, `x_fp8`, made by the RMSNorm before the MoE.)
-One or two tokens with fp8 experts take the `gemv` form instead: two launches,
-no alignment. Gate/up runs one program per (slot, 8 columns of I) over the whole
-H; down runs one program per (token, columns of H) that quantises each slot's
-intermediate itself (the same values as step 3's launch), streams the slot's
-expert rows and adds the k weighted slots in order (steps 3-4 in one). Same
-roundings as the tiles.
+One or two tokens with fp8 experts take the `gemv` form instead
+(kernels/fused_moe_gemv.py): two launches, no alignment. Gate/up runs one
+program per (slot, 8 columns of I) over the whole H; down runs one program per
+(token, columns of H) that quantises each slot's intermediate itself (the same
+values as step 3's launch), streams the slot's expert rows and adds the k
+weighted slots in order (steps 3-4 in one). Same roundings as the tiles.
 No host synchronisation; every shape depends only on (T, k, E, H, I), never on
 the routing: the whole call is CUDA-graph capturable.
 
-Contents: the PyTorch twin `fused_moe_ref`, the Triton kernels and the
-launcher `fused_moe` (the alignment is `kernels.moe_align`).
+Contents: the PyTorch twin `fused_moe_ref`, the tiled Triton kernels and the
+launcher `fused_moe` (the alignment is `kernels.moe_align`, the few-token form
+`kernels.fused_moe_gemv`).
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ from kernels.fp8_gemm import (
     FP8_BLOCK,
     Fp8Activations,
     _arrival_counters,
-    _quantize_groups,
     _interpreting,
     _num_sms,
     _soft_cvt,
@@ -78,12 +78,12 @@ from kernels.fp8_gemm import (
     quantize_activations,
     quantize_activations_ref,
 )
-from kernels.fp8_pack import _bf16_bits
+from kernels.fp8_pack import _cast_out
+from kernels.fused_moe_gemv import COMPUTE_DTYPES, fused_moe_gemv
 from kernels.moe_align import ID_DTYPES, moe_align
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _W_DTYPES = _ACT_DTYPES + (torch.float8_e4m3fn,)
-_COMPUTE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _MAX_GRID_Y = 65535
 SPLIT_PROGRAMS_PER_SM = 1  # gate/up programs per SM that the K split aims for at a few tokens (H200 sweep)
 
@@ -197,15 +197,6 @@ def fused_moe_ref(
 
 
 # --- Triton kernels ------------------------------------------------------------------
-
-
-@triton.jit
-def _cast_out(v, ptr, SOFT_CVT: tl.constexpr):
-    """float32 v in the element type of ptr, rounded to nearest even (the interpreter's own fp32 -> bf16
-    conversion truncates, so under SOFT_CVT bf16 is rounded in integer arithmetic first)."""
-    if SOFT_CVT and ptr.dtype.element_ty == tl.bfloat16:
-        v = (_bf16_bits(v) << 16).to(tl.float32, bitcast=True)
-    return v.to(ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -395,96 +386,6 @@ def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, hidden, num_experts, stride_it, s
     tl.store(out_ptr + t * stride_ot + cols, _cast_out(acc, out_ptr, SOFT_CVT), mask=cmask)
 
 
-@triton.jit
-def _gate_up_gemv_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr,
-    top_k, hidden, inter, num_experts,
-    stride_xt, stride_xst, stride_it, stride_ij, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_hm,
-    FP8: tl.constexpr, SOFT_CVT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """h[s, n-tile] = silu(gate_e . x[t]) * (up_e . x[t]) for slot s = t*k + j of expert e = ids[t, j]: the
-    expert's gate and up rows streamed once over the whole H, float32 products summed in registers (no
-    K split, no partials); the block scales fold into the activation (BLOCK_N divides 128)."""
-    nt = tl.program_id(0)
-    s = tl.program_id(1)
-    t = (s // top_k).to(tl.int64)
-    e = tl.load(ids_ptr + t * stride_it + (s % top_k) * stride_ij).to(tl.int32)
-    if (e >= 0) & (e < num_experts):
-        cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < inter
-        kk = tl.arange(0, BLOCK_K)
-        g_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn + kk[None, :]
-        u_rows = g_rows + inter * stride_wn
-        gs_row = ws_ptr + e * stride_wse + (nt * BLOCK_N // 128) * stride_wsn
-        us_row = ws_ptr + e * stride_wse + ((nt * BLOCK_N + inter) // 128) * stride_wsn
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            kc = k0 + kk
-            kmask = kc < hidden
-            wmask = cmask[:, None] & kmask[None, :]
-            a = tl.load(x_ptr + t * stride_xt + kc, mask=kmask, other=0.0)
-            wg = tl.load(g_rows + k0, mask=wmask, other=0.0).to(tl.float32)
-            wu = tl.load(u_rows + k0, mask=wmask, other=0.0).to(tl.float32)
-            if FP8:
-                group = tl.minimum(kc, hidden - 1) // 128
-                a = a.to(tl.float32) * tl.load(xs_ptr + t * stride_xst + group)
-                a_g = a * tl.load(gs_row + group * stride_wsk)
-                a_u = a * tl.load(us_row + group * stride_wsk)
-            else:
-                a_g = a.to(COMPUTE).to(tl.float32)
-                a_u = a_g
-            acc_g += wg * a_g[None, :]
-            acc_u += wu * a_u[None, :]
-        g = tl.sum(acc_g, axis=1)
-        u = tl.sum(acc_u, axis=1)
-        act = g / (1.0 + tl.exp(-g)) * u
-        tl.store(h_ptr + s.to(tl.int64) * stride_hm + cols, _cast_out(act, h_ptr, SOFT_CVT), mask=cmask)
-
-
-@triton.jit
-def _down_gemv_kernel(
-    h_ptr, w_ptr, ws_ptr, ids_ptr, tw_ptr, out_ptr,
-    top_k, hidden, inter, num_experts,
-    stride_hm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_it, stride_ij,
-    stride_twt, stride_twj, stride_ot,
-    FP8: tl.constexpr, SOFT_CVT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """out[t, n-tile] = sum over slots j in order of round(w[t, j] * (down_e . h[t*k + j])): each slot's
-    intermediate quantised here per 128 columns (as the twin does between the GEMMs), the expert's down rows
-    streamed once, the slots summed in float32 in the program (no per-slot output, no sum launch)."""
-    nt = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
-    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < hidden
-    kk = tl.arange(0, BLOCK_K)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(0, top_k):
-        e = tl.load(ids_ptr + t * stride_it + j * stride_ij).to(tl.int32)
-        if (e >= 0) & (e < num_experts):
-            row = h_ptr + (t * top_k + j) * stride_hm
-            w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn + kk[None, :]
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, inter, BLOCK_K):
-                kc = k0 + kk
-                kmask = kc < inter
-                a = tl.load(row + kc, mask=kmask, other=0.0).to(tl.float32)
-                w = tl.load(w_rows + k0, mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                if FP8:
-                    q, scale = _quantize_groups(tl.reshape(a, [BLOCK_K // 128, 128]), SOFT_CVT)
-                    group = k0 // 128 + tl.arange(0, BLOCK_K // 128)
-                    gmask = group < tl.cdiv(inter, 128)
-                    ws = tl.load(ws_ptr + e * stride_wse + (nt * BLOCK_N // 128) * stride_wsn + group * stride_wsk,
-                                 mask=gmask, other=0.0)
-                    a = tl.reshape(q.to(tl.float32) * (scale * ws)[:, None], [BLOCK_K])
-                else:
-                    a = a.to(COMPUTE).to(tl.float32)
-                acc += w * a[None, :]
-            rw = tl.load(tw_ptr + t * stride_twt + j * stride_twj)
-            total += _cast_out(tl.sum(acc, axis=1) * rw, out_ptr, SOFT_CVT).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + cols, _cast_out(total, out_ptr, SOFT_CVT), mask=cmask)
-
-
 # --- launchers -----------------------------------------------------------------------
 
 
@@ -571,7 +472,7 @@ def fused_moe(
                                                num_sms=_num_sms(x.device))
     _check_config(cfg, fp8)
     if cfg.gemv:
-        _fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, res, cfg, x_fp8)
+        fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, res, cfg, x_fp8)
         return res
     sorted_ids, eob, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
     max_padded, max_blocks = sorted_ids.numel(), eob.numel()
@@ -590,7 +491,7 @@ def fused_moe(
         partials = arrivals = act  # unused
     y = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
     soft = _soft_cvt()
-    compute = tl.float32 if fp8 else _COMPUTE[w13.dtype]
+    compute = tl.float32 if fp8 else COMPUTE_DTYPES[w13.dtype]
     ieee = w13.dtype == torch.float32
     s13 = w13_scale_inv if fp8 else x  # unused without fp8
     s2 = w2_scale_inv if fp8 else x
@@ -625,35 +526,3 @@ def fused_moe(
     )
     return res
 
-
-def _fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, w13_scale_inv: torch.Tensor | None, w2_scale_inv: torch.Tensor | None,
-                    res: torch.Tensor, cfg: FusedMoEConfig, x_fp8: Fp8Activations | None) -> None:
-    """The few-token form: gate/up per (slot, column tile), then down per (token, column tile) summing the
-    token's slots; every expert row read once per slot, no alignment and no per-slot output."""
-    t, h = x.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
-    k = topk_ids.shape[1]
-    fp8 = w13.dtype == torch.float8_e4m3fn
-    soft = _soft_cvt()
-    compute = tl.float32 if fp8 else _COMPUTE[w13.dtype]
-    s13 = w13_scale_inv if fp8 else x  # unused without fp8
-    s2 = w2_scale_inv if fp8 else x
-    s13_strides = w13_scale_inv.stride() if fp8 else (0, 0, 0)
-    s2_strides = w2_scale_inv.stride() if fp8 else (0, 0, 0)
-    xq, xs = _take_quantized(x, x_fp8) if fp8 else (x, x)
-    act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
-    _gate_up_gemv_kernel[(triton.cdiv(inter, cfg.block_n), t * k)](
-        xq, xs, w13, s13, topk_ids, act, k, h, inter, num_experts,
-        xq.stride(0), xs.stride(0) if fp8 else 0, topk_ids.stride(0), topk_ids.stride(1),
-        w13.stride(0), w13.stride(1), *s13_strides, act.stride(0),
-        FP8=fp8, SOFT_CVT=soft, COMPUTE=compute, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    _down_gemv_kernel[(triton.cdiv(h, cfg.block_n_down), t)](
-        act, w2, s2, topk_ids, topk_weights, res, k, h, inter, num_experts,
-        act.stride(0), w2.stride(0), w2.stride(1), *s2_strides, topk_ids.stride(0), topk_ids.stride(1),
-        topk_weights.stride(0), topk_weights.stride(1), res.stride(0),
-        FP8=fp8, SOFT_CVT=soft, COMPUTE=compute, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
-        num_warps=cfg.num_warps_down, num_stages=cfg.num_stages_down,
-    )
