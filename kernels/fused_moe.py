@@ -72,14 +72,12 @@ from kernels.fp8_gemm import (
     _arrival_counters,
     _interpreting,
     _num_sms,
-    _soft_cvt,
-    _take_quantized,
     dequantize_weight_blocks,
     quantize_activations,
     quantize_activations_ref,
 )
 from kernels.fp8_pack import _cast_out
-from kernels.fused_moe_gemv import COMPUTE_DTYPES, fused_moe_gemv
+from kernels.fused_moe_gemv import MoEOperands, fused_moe_gemv
 from kernels.moe_align import ID_DTYPES, moe_align
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -471,8 +469,9 @@ def fused_moe(
     cfg = config or FusedMoEConfig.for_problem(t, k, num_experts, weight_dtype=w13.dtype, hidden=h, inter=inter,
                                                num_sms=_num_sms(x.device))
     _check_config(cfg, fp8)
+    ops = MoEOperands.of(x, w13, w13_scale_inv, w2_scale_inv, x_fp8)
     if cfg.gemv:
-        fused_moe_gemv(x, w13, w2, topk_weights, topk_ids, w13_scale_inv, w2_scale_inv, res, cfg, x_fp8)
+        fused_moe_gemv(ops, w13, w2, topk_weights, topk_ids, res, cfg)
         return res
     sorted_ids, eob, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
     max_padded, max_blocks = sorted_ids.numel(), eob.numel()
@@ -490,19 +489,12 @@ def fused_moe(
     else:
         partials = arrivals = act  # unused
     y = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
-    soft = _soft_cvt()
-    compute = tl.float32 if fp8 else COMPUTE_DTYPES[w13.dtype]
+    soft, compute = ops.soft_cvt, ops.compute
     ieee = w13.dtype == torch.float32
-    s13 = w13_scale_inv if fp8 else x  # unused without fp8
-    s2 = w2_scale_inv if fp8 else x
-    s13_strides = w13_scale_inv.stride() if fp8 else (0, 0, 0)
-    s2_strides = w2_scale_inv.stride() if fp8 else (0, 0, 0)
-    # fp8: activations are quantised once (per token and 128 columns), not in every weight tile that reads them
-    xq, xs = _take_quantized(x, x_fp8) if fp8 else (x, x)
     _gate_up_kernel[(n_tiles, max_blocks, splits)](
-        xq, xs, w13, s13, sorted_ids, eob, num_padded, act, partials, arrivals,
+        ops.xq, ops.xs, w13, ops.s13, sorted_ids, eob, num_padded, act, partials, arrivals,
         t * k, k, h, inter, kb_per_split, splits,
-        xq.stride(0), xs.stride(0) if fp8 else 0, w13.stride(0), w13.stride(1), *s13_strides, act.stride(0),
+        ops.xq.stride(0), ops.xs_stride, w13.stride(0), w13.stride(1), *ops.s13_strides, act.stride(0),
         partials.stride(0) if splits > 1 else 0, partials.stride(1) if splits > 1 else 0,
         FP8=fp8, SOFT_CVT=soft, IEEE=ieee, COMPUTE=compute, SWAP_AB=cfg.swap_ab,
         SPLIT=splits > 1,
@@ -511,9 +503,9 @@ def fused_moe(
     )
     actq, acts = quantize_activations(act) if fp8 else (act, act)
     _down_kernel[(triton.cdiv(h, cfg.block_n_down), max_blocks)](
-        actq, acts, w2, s2, sorted_ids, eob, num_padded, topk_weights, y,
+        actq, acts, w2, ops.s2, sorted_ids, eob, num_padded, topk_weights, y,
         t * k, k, h, inter,
-        actq.stride(0), acts.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1), *s2_strides, topk_weights.stride(0), topk_weights.stride(1),
+        actq.stride(0), acts.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1), *ops.s2_strides, topk_weights.stride(0), topk_weights.stride(1),
         y.stride(0),
         FP8=fp8, SOFT_CVT=soft, IEEE=ieee, COMPUTE=compute, SWAP_AB=cfg.swap_ab,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,

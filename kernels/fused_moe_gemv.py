@@ -9,7 +9,7 @@ float32 FMAs in registers, no tensor cores: at one or two tokens the weight stre
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import triton
@@ -22,6 +22,32 @@ if TYPE_CHECKING:
     from kernels.fused_moe import FusedMoEConfig
 
 COMPUTE_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+class MoEOperands(NamedTuple):
+    """What both forms of the fused MoE launch with besides the weights: x (quantised once for fp8 experts,
+    not in every tile that reads it), the scale tensors or stand-ins, and the compile-time dtypes."""
+
+    fp8: bool
+    soft_cvt: bool
+    compute: Any  # tl dtype of the dots / products
+    xq: torch.Tensor
+    xs: torch.Tensor  # x's scales (fp8), else x itself, unused
+    xs_stride: int
+    s13: torch.Tensor  # w13's scales (fp8), else x, unused
+    s13_strides: tuple[int, ...]
+    s2: torch.Tensor
+    s2_strides: tuple[int, ...]
+
+    @classmethod
+    def of(cls, x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor | None,
+           w2_scale_inv: torch.Tensor | None, x_fp8: Fp8Activations | None) -> MoEOperands:
+        fp8 = w13.dtype == torch.float8_e4m3fn
+        if not fp8:
+            return cls(False, _soft_cvt(), COMPUTE_DTYPES[w13.dtype], x, x, 0, x, (0, 0, 0), x, (0, 0, 0))
+        xq, xs = _take_quantized(x, x_fp8)
+        return cls(True, _soft_cvt(), tl.float32, xq, xs, xs.stride(0), w13_scale_inv, w13_scale_inv.stride(),
+                   w2_scale_inv, w2_scale_inv.stride())
 
 
 @triton.jit
@@ -113,34 +139,26 @@ def _down_gemv_kernel(
             total += _cast_out(tl.sum(acc, axis=1) * rw, out_ptr, SOFT_CVT).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + cols, _cast_out(total, out_ptr, SOFT_CVT), mask=cmask)
 
-def fused_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, w13_scale_inv: torch.Tensor | None, w2_scale_inv: torch.Tensor | None,
-                    res: torch.Tensor, cfg: FusedMoEConfig, x_fp8: Fp8Activations | None) -> None:
+
+def fused_moe_gemv(ops: MoEOperands, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, res: torch.Tensor, cfg: FusedMoEConfig) -> None:
     """The few-token form: gate/up per (slot, column tile), then down per (token, column tile) summing the
     token's slots; every expert row read once per slot, no alignment and no per-slot output."""
-    t, h = x.shape
+    t, h = ops.xq.shape
     num_experts, inter = w13.shape[0], w13.shape[1] // 2
     k = topk_ids.shape[1]
-    fp8 = w13.dtype == torch.float8_e4m3fn
-    soft = _soft_cvt()
-    compute = tl.float32 if fp8 else COMPUTE_DTYPES[w13.dtype]
-    s13 = w13_scale_inv if fp8 else x  # unused without fp8
-    s2 = w2_scale_inv if fp8 else x
-    s13_strides = w13_scale_inv.stride() if fp8 else (0, 0, 0)
-    s2_strides = w2_scale_inv.stride() if fp8 else (0, 0, 0)
-    xq, xs = _take_quantized(x, x_fp8) if fp8 else (x, x)
-    act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+    act = torch.empty((t * k, inter), dtype=res.dtype, device=res.device)
     _gate_up_gemv_kernel[(triton.cdiv(inter, cfg.block_n), t * k)](
-        xq, xs, w13, s13, topk_ids, act, k, h, inter, num_experts,
-        xq.stride(0), xs.stride(0) if fp8 else 0, topk_ids.stride(0), topk_ids.stride(1),
-        w13.stride(0), w13.stride(1), *s13_strides, act.stride(0),
-        FP8=fp8, SOFT_CVT=soft, COMPUTE=compute, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        ops.xq, ops.xs, w13, ops.s13, topk_ids, act, k, h, inter, num_experts,
+        ops.xq.stride(0), ops.xs_stride, topk_ids.stride(0), topk_ids.stride(1),
+        w13.stride(0), w13.stride(1), *ops.s13_strides, act.stride(0),
+        FP8=ops.fp8, SOFT_CVT=ops.soft_cvt, COMPUTE=ops.compute, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _down_gemv_kernel[(triton.cdiv(h, cfg.block_n_down), t)](
-        act, w2, s2, topk_ids, topk_weights, res, k, h, inter, num_experts,
-        act.stride(0), w2.stride(0), w2.stride(1), *s2_strides, topk_ids.stride(0), topk_ids.stride(1),
+        act, w2, ops.s2, topk_ids, topk_weights, res, k, h, inter, num_experts,
+        act.stride(0), w2.stride(0), w2.stride(1), *ops.s2_strides, topk_ids.stride(0), topk_ids.stride(1),
         topk_weights.stride(0), topk_weights.stride(1), res.stride(0),
-        FP8=fp8, SOFT_CVT=soft, COMPUTE=compute, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
-        num_warps=cfg.num_warps_down, num_stages=cfg.num_stages_down,
+        FP8=ops.fp8, SOFT_CVT=ops.soft_cvt, COMPUTE=ops.compute, BLOCK_N=cfg.block_n_down,
+        BLOCK_K=cfg.block_k_down, num_warps=cfg.num_warps_down, num_stages=cfg.num_stages_down,
     )
