@@ -29,7 +29,8 @@ class TurnLengths:
 
     @classmethod
     def scaled(cls, scale: float) -> TurnLengths:
-        assert scale > 0, f"scale must be positive, got {scale}"
+        if scale <= 0:
+            raise ValueError(f"scale must be positive, got {scale}")
         return cls(max(1, round(FIRST_TURN * scale)), max(1, round(LATER_TURN * scale)),
                     max(MIN_OUTPUT, round(OUTPUT * scale)))
 

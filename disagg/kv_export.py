@@ -147,7 +147,7 @@ class KVExport:
 
     def verify(self, model_id: str, layout: KVLayout, prompt_token_ids: list[int]) -> None:
         """Raises `ExportMismatch`, naming what differs, unless the export fits this model, layout and prompt
-        and its bytes are intact."""
+        (its token ids, and page hashes chained over the tokens before it too)."""
         if self.model_id != model_id:
             raise ExportMismatch(f"export is for model {self.model_id!r}, this replica serves {model_id!r}")
         ours = layout_facts(layout)
