@@ -98,7 +98,8 @@ class FP8GemmConfig:
     group_m: int = 8  # M tiles per group of the L2-friendly program order
     num_warps: int = 4
     num_stages: int = 3
-    gemv: bool = False  # one token per program, float32 products in registers, whole K (no split, no MMA)
+    gemv: bool = False  # one token per program, float32 products in registers, whole K unrolled (no split, no MMA,
+    # no software pipeline: num_stages unused)
     gemv_block_k: int = 512  # GEMV: columns per loaded tile (a multiple of FP8_BLOCK)
 
     @classmethod
@@ -114,12 +115,13 @@ class FP8GemmConfig:
             split = max(1, min(triton.cdiv(num_sms, tiles), kb // 4))  # few tiles (small N): split K too
             return cls(block_m=64, block_n=64, split_k=triton.cdiv(kb, triton.cdiv(kb, split)), num_stages=3)
         if m == 1:
-            # one token: whole-K GEMV programs of 8 weight rows (no split, so no partials and no last-arrival sum);
-            # H200 sweep at GLM-5.3's TP8 shapes (bench/RESULTS.md, 2026-12-01): 1-2 us under the split tiles
-            # except [576, 6144] (equal); 1,024-column tiles except where K is short and N long
-            wide = k >= 4096 or n <= 2048
-            return cls(block_m=16, block_n=8, gemv=True, gemv_block_k=1024 if wide else 512,
-                       num_warps=4, num_stages=4 if wide else 2)
+            # one token: whole-K GEMV programs of a few weight rows (no split, so no partials and no last-arrival
+            # sum); H200 sweeps at GLM-5.3's TP8 shapes (bench/RESULTS.md, 2026-12-01): 1-2 us under the split
+            # tiles; a long K in 2,048-column tiles of 4 rows ([576, 6144]: 5.8 against 8.3 us in 1,024-column
+            # tiles of 8), 1,024-column tiles except where K is short and N long
+            if k >= 4096:
+                return cls(block_m=16, block_n=4, gemv=True, gemv_block_k=2048)
+            return cls(block_m=16, block_n=8, gemv=True, gemv_block_k=1024 if n <= 2048 else 512)
         if m <= 16:
             block_m, swap = 16, True
         elif m <= 32:
@@ -329,12 +331,13 @@ def _fp8_gemm_kernel(
 def _fp8_gemv_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, N, K,
     stride_am, stride_asm, stride_wn, stride_wsn, stride_wsk, stride_om,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """out[m, n-tile] for one token m: the weight rows streamed once over the whole K, each element's
     product with the token's dequantised activation accumulated in float32 registers, the block scales
     folded into the activation (BLOCK_N divides 128, so one weight scale row per program). No split of K,
-    so no partials and no last-arrival sum: the launch ends when its loads do."""
+    so no partials and no last-arrival sum: the launch ends when its loads do. The K loop is unrolled, so
+    every tile's loads are issued before the first product waits on one."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -343,7 +346,8 @@ def _fp8_gemv_kernel(
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for kt in tl.static_range(K_TILES):
+        k0 = kt * BLOCK_K
         cols = k0 + offs_k
         if EVEN_K:
             w = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
@@ -500,7 +504,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), m)](
             a, a_s, weight, weight_scale_inv, out, n, k,
             a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
-            out.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.gemv_block_k, EVEN_K=k % cfg.gemv_block_k == 0,
+            out.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.gemv_block_k, K_TILES=triton.cdiv(k, cfg.gemv_block_k),
+            EVEN_K=k % cfg.gemv_block_k == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out.reshape(*lead, n)

@@ -101,7 +101,8 @@ class FusedMoEConfig:
     num_stages_down: int = 4
     swap_ab: bool = False  # weight rows on the MMA's M side, tokens on its N side (small blocks)
     split_k: int = 1  # gate/up: ranges of H per tile; > 1: float32 partials summed by the tile's last range
-    gemv: bool = False  # one token's slots as GEMVs (float32 products in registers): no alignment, two launches
+    gemv: bool = False  # one token's slots as GEMVs (float32 products in registers, K unrolled, num_stages unused):
+    # no alignment, two launches
 
     @classmethod
     def for_problem(cls, num_tokens: int, top_k: int, num_experts: int, *,
@@ -116,10 +117,10 @@ class FusedMoEConfig:
         if rows_per_expert >= 24:  # prefill: blocks are mostly full, compute matters
             return cls(block_m=64, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3)
         if num_tokens <= 2 and weight_dtype == torch.float8_e4m3fn:
-            # one or two tokens: each slot a GEMV over the whole H (no split, no alignment, two launches): H200
-            # sweep, fp8, 8 experts: 27.4 against 31.8 us at T = 1, 37.6 against 43.2 at T = 2 (T = 4: slower)
-            return cls(gemv=True, block_n=8, block_k=1024 if num_tokens == 1 else 512, num_stages=3,
-                       block_n_down=16 if num_tokens == 1 else 32, block_k_down=256, num_stages_down=2)
+            # one or two tokens: each slot a GEMV over the whole H, its K loop unrolled (no split, no alignment, two
+            # launches); H200 sweeps, fp8, 8 experts + the shared one (bench/RESULTS.md, 2026-12-01): 4 rows of
+            # 2,048-column tiles for gate/up, 28.8 us at T = 1 and 40.5 at T = 2 (rolled loops, 8 rows: 34.8, 48.4)
+            return cls(gemv=True, block_n=4, block_k=2048, block_n_down=16 if num_tokens == 1 else 32, block_k_down=256)
         if num_tokens * top_k > 32:
             # measured best from T = 8 up (fp8 weights, T = 64: 297 against 327 us): shallower pipelines, swapped
             # operands

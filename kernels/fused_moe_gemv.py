@@ -55,7 +55,8 @@ def _gate_up_gemv_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr,
     top_k, hidden, inter, num_experts,
     stride_xt, stride_xst, stride_it, stride_ij, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_hm,
-    FP8: tl.constexpr, SOFT_CVT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, SOFT_CVT: tl.constexpr, COMPUTE: tl.constexpr, K_TILES: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     """h[s, n-tile] = silu(gate_e . x[t]) * (up_e . x[t]) for slot s = t*k + j of expert e = ids[t, j]: the
     expert's gate and up rows streamed once over the whole H, float32 products summed in registers (no
@@ -74,7 +75,8 @@ def _gate_up_gemv_kernel(
         us_row = ws_ptr + e * stride_wse + ((nt * BLOCK_N + inter) // 128) * stride_wsn
         acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
+        for kt in tl.static_range(K_TILES):  # unrolled: every tile's loads independent, none waits on the last
+            k0 = kt * BLOCK_K
             kc = k0 + kk
             kmask = kc < hidden
             wmask = cmask[:, None] & kmask[None, :]
@@ -100,43 +102,50 @@ def _gate_up_gemv_kernel(
 @triton.jit
 def _down_gemv_kernel(
     h_ptr, w_ptr, ws_ptr, ids_ptr, tw_ptr, out_ptr,
-    top_k, hidden, inter, num_experts,
+    hidden, inter, num_experts,
     stride_hm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_it, stride_ij,
     stride_twt, stride_twj, stride_ot,
-    FP8: tl.constexpr, SOFT_CVT: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, SOFT_CVT: tl.constexpr, COMPUTE: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+    K_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[t, n-tile] = sum over slots j in order of round(w[t, j] * (down_e . h[t*k + j])): each slot's
-    intermediate quantised here per 128 columns (as the twin does between the GEMMs), the expert's down rows
-    streamed once, the slots summed in float32 in the program (no per-slot output, no sum launch)."""
+    """out[t, n-tile] = sum over slots j in order of round(w[t, j] * (down_e . h[t*k + j])): the token's expert
+    ids and weights loaded once as vectors and the slots unrolled without branches, so no slot's rows wait on
+    the slot before (a loop that loaded each slot's id, then its rows, paid two memory round trips a slot);
+    each slot's intermediate quantised here per 128 columns (as the twin does between the GEMMs); the weighted
+    slots added in order in float32 (no per-slot output, no sum launch)."""
     nt = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
+    js = tl.arange(0, SLOTS)
+    ids = tl.load(ids_ptr + t * stride_it + js * stride_ij, mask=js < TOP_K, other=-1).to(tl.int32)
+    route_w = tl.load(tw_ptr + t * stride_twt + js * stride_twj, mask=js < TOP_K, other=0.0)
     cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < hidden
     kk = tl.arange(0, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(0, top_k):
-        e = tl.load(ids_ptr + t * stride_it + j * stride_ij).to(tl.int32)
-        if (e >= 0) & (e < num_experts):
-            row = h_ptr + (t * top_k + j) * stride_hm
-            w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn + kk[None, :]
-            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, inter, BLOCK_K):
-                kc = k0 + kk
-                kmask = kc < inter
-                a = tl.load(row + kc, mask=kmask, other=0.0).to(tl.float32)
-                w = tl.load(w_rows + k0, mask=cmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-                if FP8:
-                    q, scale = _quantize_groups(tl.reshape(a, [BLOCK_K // 128, 128]), SOFT_CVT)
-                    group = k0 // 128 + tl.arange(0, BLOCK_K // 128)
-                    gmask = group < tl.cdiv(inter, 128)
-                    ws = tl.load(ws_ptr + e * stride_wse + (nt * BLOCK_N // 128) * stride_wsn + group * stride_wsk,
-                                 mask=gmask, other=0.0)
-                    a = tl.reshape(q.to(tl.float32) * (scale * ws)[:, None], [BLOCK_K])
-                else:
-                    a = a.to(COMPUTE).to(tl.float32)
-                acc += w * a[None, :]
-            rw = tl.load(tw_ptr + t * stride_twt + j * stride_twj)
-            total += _cast_out(tl.sum(acc, axis=1) * rw, out_ptr, SOFT_CVT).to(tl.float32)
+    for j in tl.static_range(TOP_K):
+        e = tl.sum(tl.where(js == j, ids, 0)) + tl.zeros([BLOCK_N], dtype=tl.int32)  # slot j's id, per column
+        live = (e >= 0) & (e < num_experts)
+        live_cols = cmask & live
+        e = tl.max(tl.where(live, e, 0), axis=0)
+        row = h_ptr + (t * TOP_K + j) * stride_hm
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn + kk[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for kt in tl.static_range(K_TILES):
+            kc = kt * BLOCK_K + kk
+            kmask = kc < inter
+            a = tl.load(row + kc, mask=kmask, other=0.0).to(tl.float32)
+            w = tl.load(w_rows + kt * BLOCK_K, mask=live_cols[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            if FP8:
+                q, scale = _quantize_groups(tl.reshape(a, [BLOCK_K // 128, 128]), SOFT_CVT)
+                group = kt * (BLOCK_K // 128) + tl.arange(0, BLOCK_K // 128)
+                ws = tl.load(ws_ptr + e * stride_wse + (nt * BLOCK_N // 128) * stride_wsn + group * stride_wsk,
+                             mask=group < tl.cdiv(inter, 128), other=0.0)
+                a = tl.reshape(q.to(tl.float32) * (scale * ws)[:, None], [BLOCK_K])
+            else:
+                a = a.to(COMPUTE).to(tl.float32)
+            acc += w * a[None, :]
+        rw = tl.sum(tl.where(js == j, route_w, 0.0))
+        total += tl.where(live, _cast_out(tl.sum(acc, axis=1) * rw, out_ptr, SOFT_CVT).to(tl.float32), 0.0)
     tl.store(out_ptr + t * stride_ot + cols, _cast_out(total, out_ptr, SOFT_CVT), mask=cmask)
 
 
@@ -152,13 +161,15 @@ def fused_moe_gemv(ops: MoEOperands, w13: torch.Tensor, w2: torch.Tensor, topk_w
         ops.xq, ops.xs, w13, ops.s13, topk_ids, act, k, h, inter, num_experts,
         ops.xq.stride(0), ops.xs_stride, topk_ids.stride(0), topk_ids.stride(1),
         w13.stride(0), w13.stride(1), *ops.s13_strides, act.stride(0),
-        FP8=ops.fp8, SOFT_CVT=ops.soft_cvt, COMPUTE=ops.compute, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        FP8=ops.fp8, SOFT_CVT=ops.soft_cvt, COMPUTE=ops.compute, K_TILES=triton.cdiv(h, cfg.block_k),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _down_gemv_kernel[(triton.cdiv(h, cfg.block_n_down), t)](
-        act, w2, ops.s2, topk_ids, topk_weights, res, k, h, inter, num_experts,
+        act, w2, ops.s2, topk_ids, topk_weights, res, h, inter, num_experts,
         act.stride(0), w2.stride(0), w2.stride(1), *ops.s2_strides, topk_ids.stride(0), topk_ids.stride(1),
         topk_weights.stride(0), topk_weights.stride(1), res.stride(0),
-        FP8=ops.fp8, SOFT_CVT=ops.soft_cvt, COMPUTE=ops.compute, BLOCK_N=cfg.block_n_down,
-        BLOCK_K=cfg.block_k_down, num_warps=cfg.num_warps_down, num_stages=cfg.num_stages_down,
+        FP8=ops.fp8, SOFT_CVT=ops.soft_cvt, COMPUTE=ops.compute, TOP_K=k, SLOTS=triton.next_power_of_2(k),
+        K_TILES=triton.cdiv(inter, cfg.block_k_down), BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
+        num_warps=cfg.num_warps_down, num_stages=cfg.num_stages_down,
     )

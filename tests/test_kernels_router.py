@@ -39,6 +39,19 @@ def test_route_equals_the_router(experts: int, groups: int, topk_group: int, k: 
                                rtol=1e-6, atol=1e-7)
 
 
+def test_route_orders_negative_scores_and_breaks_ties_to_the_lower_expert() -> None:
+    """Biased scores below zero rank as floats do (the kernel compares their bits as integers), and equal
+    scores go to the lower expert id, the order `torch.topk`'s stable twin gives."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 64, generator=gen)
+    bias = -2.0 + 0.3 * torch.randn(64, generator=gen)  # every biased score negative
+    _, ids = route(logits, bias, 1, 1, 6, True, 1.0)
+    want = (logits.sigmoid() + bias).topk(6, dim=1).indices
+    assert torch.equal(ids.long(), want)
+    _, tied = route(torch.zeros(2, 64), torch.zeros(64), 1, 1, 6, True, 1.0)
+    assert tied.tolist() == [list(range(6))] * 2
+
+
 def test_bad_routing_is_refused() -> None:
     with pytest.raises(ValueError):
         route(torch.zeros(2, 12), torch.zeros(12), 1, 1, 2, True, 1.0)  # 12 experts: not a power of two
