@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from bench.agent_results import LEVELS_FILE, TURNS_FILE
-from bench.agent_serve import main, policy_config
+from bench.agent_serve import main, policy_config, worker_pythonpath
 from tests.serve_helpers import ROOT, free_port
 
 
@@ -21,6 +21,12 @@ def test_policy_config_writes_the_policy_and_overrides(tmp_path: Path) -> None:
     assert args["engine"]["attention_config"]["hisparse_config"]["policy"] == "offload"
     assert args["engine"]["num_gpu_pages"] == 48 and args["model"]["path"] == "/m"
     assert doc["http_options"]["port"] == 1234
+
+
+def test_workers_keep_the_callers_pythonpath() -> None:
+    """Ray's workers import Ray from wherever the driver did (a site folder on PYTHONPATH on the GPU machines)."""
+    assert worker_pythonpath("") == str(ROOT)
+    assert worker_pythonpath(f"/tmp/site:{ROOT}") == f"{ROOT}:/tmp/site"
 
 
 def test_every_policy_is_served_and_measured(tiny_dir: Path, tmp_path: Path) -> None:
