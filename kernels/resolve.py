@@ -120,6 +120,43 @@ def _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK: tl.constexpr):
     return offs_r, key, rmask & (key < step)
 
 
+@triton.jit
+def _bounds(key, cand, step):
+    """(candidates, smallest candidate key, largest) of a run of slots."""
+    return (tl.sum(cand.to(tl.int32), 0), tl.min(tl.where(cand, key, step), 0),
+            tl.max(tl.where(cand, key, -2), 0))
+
+
+@triton.jit
+def _probes(lo, hi, ways, WAYS: tl.constexpr):
+    """WAYS thresholds splitting [lo, hi) evenly."""
+    return lo + ((hi - lo).to(tl.int64) * (ways + 1) // (WAYS + 1)).to(lo.dtype)
+
+
+@triton.jit
+def _count_at_or_below(key, cand, probe):
+    """Candidates with key <= each probe."""
+    return tl.sum((cand[:, None] & (key[:, None] <= probe[None, :])).to(tl.int32), 0)
+
+
+@triton.jit
+def _narrow(lo, hi, probe, enough):
+    """The search range after one round: up to the lowest probe with enough candidates at or below it."""
+    return tl.max(tl.where(enough, lo, probe + 1), 0), tl.min(tl.where(enough, probe, hi), 0)
+
+
+@triton.jit
+def _pick_victims(key, cand, offs_r, lo, at_quota, num_at, num_victims, num_served, victims):
+    """Writes the run's victims (keys below the threshold `lo`, and the first `at_quota` of the batch's keys
+    equal to it, by slot index) after the `num_victims` found before; returns the updated counts."""
+    at = cand & (key == lo)
+    at_rank = num_at + tl.cumsum(at.to(tl.int32), 0) - 1
+    victim = (cand & (key < lo)) | (at & (at_rank < at_quota))
+    victim_rank = num_victims + tl.cumsum(victim.to(tl.int32), 0) - 1
+    tl.store(victims + victim_rank, offs_r, mask=victim & (victim_rank < num_served))
+    return num_at + tl.sum(at.to(tl.int32), 0), num_victims + tl.sum(victim.to(tl.int32), 0)
+
+
 @triton.jit(do_not_specialize=["K", "max_pages"], do_not_specialize_on_alignment=["topk_ptr", "counts_ptr"])
 def _plan_kernel(
     topk_ptr, counts_ptr, gpu_page_ptr, host_page_ptr, lease_ptr, step_ptr,
@@ -146,54 +183,60 @@ def _plan_kernel(
     tl.store(stamp_row + h, step, mask=hit)
     num_miss = tl.sum(miss.to(tl.int32), 0)
 
-    # misses only: victims, reverse-map and LRU updates, the copy list. The slots are read in
-    # chunks of R_BLOCK, so one compiled plan serves hot buffers of any size.
+    # misses only: victims, reverse-map and LRU updates, the copy list. A hot buffer of up to R_BLOCK slots
+    # (the default's size) is read once and searched in registers; a larger one is read in chunks of R_BLOCK
+    # at every pass, so one compiled plan serves hot buffers of any size.
     num_served = num_miss * 0
     served = offs_k < 0
     v = h * 0
     miss_rank = h * 0
     if num_miss > 0:
         tl.debug_barrier()  # hit stamps are visible: hit slots are not candidates
-        num_cand = num_miss * 0
-        lo = step
-        hi = step * 0 - 2
-        for r0 in range(0, R, R_BLOCK):
-            offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
-            num_cand += tl.sum(cand.to(tl.int32), 0)
-            lo = tl.minimum(lo, tl.min(tl.where(cand, key, step), 0))
-            hi = tl.maximum(hi, tl.max(tl.where(cand, key, -2), 0))
-        num_served = tl.minimum(num_miss, num_cand)
+        victims = victim_ptr + b * K
         ways = tl.arange(0, WAYS)
-        while lo < hi:  # smallest threshold with num_miss candidates at or below it, WAYS probes a round
-            probe = lo + ((hi - lo).to(tl.int64) * (ways + 1) // (WAYS + 1)).to(lo.dtype)
-            at_or_below = ways * 0
+        if R <= R_BLOCK:
+            offs_r, key, cand = _slot_keys(held_row, stamp_row, 0, R, step, R_BLOCK)
+            num_cand, lo, hi = _bounds(key, cand, step)
+            num_served = tl.minimum(num_miss, num_cand)
+            while lo < hi:  # smallest threshold with num_miss candidates at or below it, WAYS probes a round
+                probe = _probes(lo, hi, ways, WAYS)
+                lo, hi = _narrow(lo, hi, probe, _count_at_or_below(key, cand, probe) >= num_miss)
+            at_quota = num_miss - tl.sum((cand & (key < lo)).to(tl.int32), 0)
+            _pick_victims(key, cand, offs_r, lo, at_quota, num_miss * 0, num_miss * 0, num_served, victims)
+        else:
+            num_cand = num_miss * 0
+            lo = step
+            hi = step * 0 - 2
             for r0 in range(0, R, R_BLOCK):
                 offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
-                at_or_below += tl.sum((cand[:, None] & (key[:, None] <= probe[None, :])).to(tl.int32), 0)
-            enough = at_or_below >= num_miss
-            hi = tl.min(tl.where(enough, probe, hi), 0)
-            lo = tl.max(tl.where(enough, lo, probe + 1), 0)
-        num_below = num_miss * 0
-        for r0 in range(0, R, R_BLOCK):
-            offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
-            num_below += tl.sum((cand & (key < lo)).to(tl.int32), 0)
-        at_quota = num_miss - num_below  # slots stamped exactly `lo` that become victims, lowest index first
-        num_at = num_miss * 0
-        num_victims = num_miss * 0
-        for r0 in range(0, R, R_BLOCK):
-            offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
-            at = cand & (key == lo)
-            at_rank = num_at + tl.cumsum(at.to(tl.int32), 0) - 1
-            victim = (cand & (key < lo)) | (at & (at_rank < at_quota))
-            victim_rank = num_victims + tl.cumsum(victim.to(tl.int32), 0) - 1
-            tl.store(victim_ptr + b * K + victim_rank, offs_r, mask=victim & (victim_rank < num_served))
-            num_at += tl.sum(at.to(tl.int32), 0)
-            num_victims += tl.sum(victim.to(tl.int32), 0)
+                n, chunk_lo, chunk_hi = _bounds(key, cand, step)
+                num_cand += n
+                lo = tl.minimum(lo, chunk_lo)
+                hi = tl.maximum(hi, chunk_hi)
+            num_served = tl.minimum(num_miss, num_cand)
+            while lo < hi:
+                probe = _probes(lo, hi, ways, WAYS)
+                at_or_below = ways * 0
+                for r0 in range(0, R, R_BLOCK):
+                    offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+                    at_or_below += _count_at_or_below(key, cand, probe)
+                lo, hi = _narrow(lo, hi, probe, at_or_below >= num_miss)
+            num_below = num_miss * 0
+            for r0 in range(0, R, R_BLOCK):
+                offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+                num_below += tl.sum((cand & (key < lo)).to(tl.int32), 0)
+            at_quota = num_miss - num_below  # slots stamped exactly `lo` that become victims, lowest index first
+            num_at = num_miss * 0
+            num_victims = num_miss * 0
+            for r0 in range(0, R, R_BLOCK):
+                offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+                num_at, num_victims = _pick_victims(key, cand, offs_r, lo, at_quota, num_at, num_victims,
+                                                    num_served, victims)
         tl.debug_barrier()
         # victims go to misses in top-K order
         miss_rank = tl.cumsum(miss.to(tl.int32), 0) - 1
         served = miss & (miss_rank < num_served)
-        v = tl.load(victim_ptr + b * K + miss_rank, mask=served, other=0)
+        v = tl.load(victims + miss_rank, mask=served, other=0)
         old = tl.load(held_row + v, mask=served, other=-1)
         tl.store(map_row + old, -1, mask=served & (old >= 0))
         tl.debug_barrier()

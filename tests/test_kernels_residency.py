@@ -138,9 +138,10 @@ def test_resolve_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtyp
 
 
 
-@pytest.mark.parametrize("r_block", [1024, 8])
+@pytest.mark.parametrize("r_block", [1024, 32, 8])  # every buffer searched in registers; some (17, 24); none
 def test_resolve_leases_matches_twin(r_block, monkeypatch):
-    """Requests whose hot buffers differ in size resolve in one launch on their own tables."""
+    """Requests whose hot buffers differ in size resolve in one launch on their own tables, those that fit one
+    chunk of slots searched in registers beside those read in chunks."""
     monkeypatch.setattr(resolve, "_R_BLOCK", r_block)
     rng = random.Random(7)
     ctx, sizes, step = [300, 384, 130, 200], [40, 17, 24, 33], 12
