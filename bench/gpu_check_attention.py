@@ -74,9 +74,10 @@ def check_indexer(kv_format: str, extend: bool, gen: torch.Generator, config: In
     layout = glm_layout(kv_format)
     pool = torch.randint(0, 256, (NUM_PAGES, layout.page_bytes), dtype=torch.uint8, device="cuda", generator=gen)
     view = layout.indexer_layer_view(pool, 1)
-    tokens = view.shape[1]
+    tokens = view.tokens_per_page
     keys = torch.randn(NUM_PAGES * tokens, DI, device="cuda", generator=gen)
-    view.copy_(layout.encode_indexer(keys).view(view.shape))
+    every = torch.arange(NUM_PAGES * tokens, device="cuda")
+    view.store(every // tokens, every % tokens, layout.encode_indexer(keys))
     max_pages = 48
     if extend:  # one request, 16 causal rows at the end of a 20000-token context
         ctx = 20000

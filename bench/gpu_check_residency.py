@@ -163,8 +163,7 @@ def check_pack(layout: KVLayout, dev: torch.device, n: int) -> None:
     g, j = layout.layer_group[layer], layout.layer_pos[layer]
     mla = fp8_pack.RowPlacement(PAGE, layout.group_offset(g) + j * layout.mla_row_bytes, layout.group_run_bytes[g])
     tokens = layout.indexer_tokens_per_page
-    idx = fp8_pack.RowPlacement(tokens, (layout.num_full_layers - 1) * tokens * layout.indexer_row_bytes,
-                                layout.indexer_row_bytes)
+    idx = layout.indexer_placement(layout.num_full_layers - 1)
     idx_slots = torch.randperm(num_pages * tokens, generator=gen)[:n]
     for dtype in (torch.bfloat16, torch.float32):
         latent = tricky_rows(n, layout.latent_dim, gen).to(dtype)
@@ -178,7 +177,7 @@ def check_pack(layout: KVLayout, dev: torch.device, n: int) -> None:
             ("indexer", lambda p, d: fp8_pack.pack_indexer_rows_into(keys.to(d), p, idx_slots.to(d), idx),
              lambda p: fp8_pack.pack_indexer_rows_into_reference(keys, p, idx_slots, idx),
              lambda rows: fp8_rows.unpack_indexer_rows(rows, layout.index_dim), idx, idx_slots,
-             layout.indexer_row_bytes),
+             layout.indexer_key_bytes),
         )
         for name, kernel, twin, decode, place, where, row_bytes in cases:
             got = pool.to(dev)
@@ -200,11 +199,19 @@ def check_pack(layout: KVLayout, dev: torch.device, n: int) -> None:
             check(f"fp8 pack {name} equals fp8_rows (CPU) byte for byte", torch.equal(got, want), detail)
 
 
-def pick_rows(pool: torch.Tensor, slots: torch.Tensor, place: fp8_pack.RowPlacement, row_bytes: int) -> torch.Tensor:
+def pick_rows(pool: torch.Tensor, slots: torch.Tensor, place: fp8_pack.RowPlacement | fp8_pack.KeyPlacement,
+              row_bytes: int) -> torch.Tensor:
+    """The packed rows at `slots` (an indexer key: its values, then its scale from the page's scale area)."""
     slots = slots.long()
-    base = (slots // place.tokens_per_page) * pool.shape[1] + place.row_offset
-    base = base + (slots % place.tokens_per_page) * place.token_stride
-    return pool.view(-1)[base[:, None] + torch.arange(row_bytes)]
+    page = (slots // place.tokens_per_page) * pool.shape[1]
+    tok = slots % place.tokens_per_page
+    flat = pool.view(-1)
+    if isinstance(place, fp8_pack.KeyPlacement):
+        values = page + place.value_offset + tok * place.value_stride
+        scales = page + place.scale_offset + tok * place.scale_stride
+        return torch.cat([flat[values[:, None] + torch.arange(row_bytes - 4)], flat[scales[:, None] + torch.arange(4)]], 1)
+    base = page + place.row_offset + tok * place.token_stride
+    return flat[base[:, None] + torch.arange(row_bytes)]
 
 
 def main() -> None:

@@ -94,10 +94,11 @@ def fill_indexer_view(layout: KVLayout, pool: torch.Tensor) -> torch.Tensor:
     view = layout.indexer_layer_view(pool, 1)
     distinct = 1 << 16
     rows = layout.encode_indexer(torch.randn(distinct, DI, device="cuda"))
-    for p0 in range(0, view.shape[0], 2048):
-        chunk = view[p0 : p0 + 2048]
-        idx = torch.randint(0, distinct, (chunk.shape[0] * chunk.shape[1],), device="cuda")
-        chunk.copy_(rows[idx].view(chunk.shape))
+    pages, tokens = view.values.shape[0], view.tokens_per_page
+    for p0 in range(0, pages, 2048):
+        at = p0 * tokens + torch.arange(min(2048, pages - p0) * tokens, device="cuda")
+        idx = torch.randint(0, distinct, (at.shape[0],), device="cuda")
+        view.store(at // tokens, at % tokens, rows[idx])
     return view
 
 
@@ -171,7 +172,7 @@ def run_indexer_format(kv_format: str, hbm: float, rows_out: list) -> bool:
     layout = glm_layout(kv_format)
     pool = make_pool(layout)
     view = fill_indexer_view(layout, pool)
-    tokens, num_pages, rb = view.shape[1], view.shape[0], view.shape[2]
+    tokens, num_pages, rb = view.tokens_per_page, view.values.shape[0], layout.indexer_key_bytes
     contexts = CONTEXTS if kv_format == "fp8" else (131072,)
     kw_base = dict(kv_format=kv_format, scale=DI**-0.5, topk=TOPK)
     best = None

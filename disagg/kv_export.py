@@ -7,7 +7,7 @@ on the decode side every page tensor is a view of the batch's page buffer, which
 the object store maps read-only into the reader, so readers copy out of it and
 nothing may write into it.
 
-Schema, format version 2. One row per page sent: the MLA pages covering prompt
+Schema, format version 3. One row per page sent: the MLA pages covering prompt
 tokens `[start_tokens, num_tokens)` in prefix order, then the indexer pages of
 the same tokens in order (each covers `indexer_tokens_per_page / page_size` of
 those MLA pages, the unit of prefix reuse):
@@ -21,9 +21,12 @@ those MLA pages, the unit of prefix reuse):
 
 Schema metadata (UTF-8 strings): `hisparse.format_version`, `hisparse.model_id`,
 `hisparse.start_tokens` and `hisparse.layout.<field>` (JSON) for every field of
-`layout_facts`. No checksum of the page bytes: it would read every byte of an
-export once more on each side (about 0.4 s a GB on the decode path) for damage
-the object store does not cause; the hashes tie the pages to the prompt.
+`layout_facts`, among them `indexer_block_order`: how an indexer page orders
+each full layer's keys ("values_then_scales" for FP8 keys, "rows" otherwise;
+version 2 held FP8 keys as interleaved 132-byte rows, so it is refused). No
+checksum of the page bytes: it would read every byte of an export once more on
+each side (about 0.4 s a GB on the decode path) for damage the object store
+does not cause; the hashes tie the pages to the prompt.
 
 Why this shape:
 - Indexer pages are rows of their own rather than a nullable column on the last
@@ -57,7 +60,7 @@ from engine.prefix_transfer import PrefixSnapshot
 from residency.page_pool import PageUse
 from residency.prefix_cache import chain_hashes
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 HASH_BYTES = 16  # digest size of `residency.prefix_cache.chain_hashes`
 _KEY = "hisparse."
 _LAYOUT_KEY = _KEY + "layout."
@@ -74,14 +77,15 @@ def layout_facts(layout: KVLayout) -> dict[str, Any]:
     facts.update(
         page_bytes=layout.page_bytes,
         mla_row_bytes=layout.mla_row_bytes,
-        indexer_row_bytes=layout.indexer_row_bytes,
+        indexer_key_bytes=layout.indexer_key_bytes,
+        indexer_block_order=layout.indexer_block_order,
         indexer_tokens_per_page=layout.indexer_tokens_per_page,
     )
     return {k: list(v) if isinstance(v, tuple) else v for k, v in facts.items()}
 
 
 def export_schema(page_size: int, page_bytes: int) -> pa.Schema:
-    """The columns of a format-version-2 export of `page_bytes`-byte pages of `page_size` tokens."""
+    """The columns of a format-version-3 export of `page_bytes`-byte pages of `page_size` tokens."""
     return pa.schema([
         pa.field("use", pa.dictionary(pa.int8(), pa.string()), nullable=False),
         pa.field("page_hash", pa.binary(HASH_BYTES), nullable=False),

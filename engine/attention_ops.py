@@ -19,6 +19,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
 from engine.layers import rms_norm, rotate
 from kernels.fp8_pack import LatentPrep
+from kernels.indexer import IndexerKeys
 from kernels.topk import topk_positions_ref
 
 # Query rows processed together by the PyTorch path: bounds the gathered rows held at once.
@@ -46,11 +47,11 @@ class AttentionOps(Protocol):
         ...
 
     def indexer_topk(
-        self, q: torch.Tensor, weights: torch.Tensor, view: torch.Tensor, batch: ForwardBatch, topk: int,
+        self, q: torch.Tensor, weights: torch.Tensor, view: IndexerKeys, batch: ForwardBatch, topk: int,
         scale: float, full_index: int,
     ) -> TopK:
         """Top-K positions of every row of `batch`: q [T, Hi, Di], weights [T, Hi] against the keys of one
-        full layer's indexer `view` [pages, tokens, row_bytes]; row t sees positions <= batch.positions[t].
+        full layer's indexer `view` (`KVLayout.indexer_layer_view`); row t sees positions <= batch.positions[t].
 
         counts[t] = min(K, visible positions). K' = min(K, batch.max_context): shorter contexts select
         fewer positions, the caller pads. Equal scores rank by position, so that chunking and
@@ -90,21 +91,21 @@ class TorchAttentionOps:
     def write_indexer_rows(self, kv_pool: torch.Tensor, full_index: int, slots: torch.Tensor,
                            keys: torch.Tensor) -> None:
         view = self.layout.indexer_layer_view(kv_pool, full_index)
-        per_page = view.shape[1]
-        view[slots // per_page, slots % per_page] = self.layout.encode_indexer(keys)
+        per_page = view.tokens_per_page
+        view.store(slots // per_page, slots % per_page, self.layout.encode_indexer(keys))
 
     def indexer_topk(
-        self, q: torch.Tensor, weights: torch.Tensor, view: torch.Tensor, batch: ForwardBatch, topk: int,
+        self, q: torch.Tensor, weights: torch.Tensor, view: IndexerKeys, batch: ForwardBatch, topk: int,
         scale: float, full_index: int,
     ) -> TopK:
         """One request at a time: gathers and decodes its keys, then scores its rows (see `AttentionOps`)."""
         width = min(topk, batch.max_context)
         positions = torch.zeros(batch.num_rows, width, dtype=torch.long, device=q.device)
         counts = torch.zeros(batch.num_rows, dtype=torch.long, device=q.device)
-        per_page = view.shape[1]
+        per_page = view.tokens_per_page
         for req, (start, end) in enumerate(batch.row_ranges):
             slots = batch.indexer_slots(req, batch.context_lens_host[req])
-            keys = self.layout.decode_indexer(view[slots // per_page, slots % per_page], torch.float32)
+            keys = self.layout.decode_indexer(view.rows(slots // per_page, slots % per_page), torch.float32)
             chosen = self._request_topk(q[start:end], weights[start:end], keys, batch.positions[start:end] + 1,
                                         topk, scale)
             positions[start:end, : chosen.positions.shape[1]] = chosen.positions

@@ -4,13 +4,24 @@ One page pool serves every use, so every page has the same size. An MLA page
 holds `page_size` tokens of every MLA layer ordered `[group, token,
 layer-in-group, row]`: the rows of one token for all layers of one IndexShare
 group are one contiguous run (one miss = one copy). An indexer page holds as
-many tokens of every full-indexer layer as fit, a multiple of `page_size`,
-ordered `[full-layer, token, row]` so one layer's keys of a page are contiguous
-for scoring. A hot page has the MLA page layout; its token positions are hot
-slots.
+many tokens T of every full-indexer layer as fit, a multiple of `page_size`,
+one block per full layer so one layer's keys of a page are contiguous for
+scoring. Inside a block, bf16 / float32 keys are rows `[token, key]`; FP8 keys
+keep their values and scales apart, all the tokens' e4m3 values `[token, Di]`
+first, then their float32 scales `[token]`, so that the scoring kernel loads
+each key's values as aligned 16-byte vectors. Full layer f, token t:
+
+    block  = f * T * indexer_key_bytes      (indexer_key_bytes = Di + 4 for fp8)
+    values = block + t * Di
+    scale  = block + T * Di + 4 * t
+
+With 64-token pages, T and page_bytes are multiples of 64, so every block,
+every key's values (Di a multiple of 16) and every scales area start 16-byte
+aligned in the pool. A hot page has the MLA page layout; its token positions
+are hot slots.
 
 Row formats: `float32` (reference mode, no FP8 anywhere), `bf16`, `fp8`
-(656-byte MLA rows and 132-byte indexer rows at GLM shape).
+(656-byte MLA rows and 132-byte indexer keys at GLM shape).
 """
 
 from __future__ import annotations
@@ -24,7 +35,8 @@ import torch
 
 from engine.model_config import ModelConfig
 from kernels import fp8_rows
-from kernels.fp8_pack import RowPlacement
+from kernels.fp8_pack import KeyPlacement, RowPlacement
+from kernels.indexer import IndexerKeys
 
 KVFormat = Literal["float32", "bf16", "fp8"]
 PAGE_SIZE = 64
@@ -75,10 +87,17 @@ class KVLayout:
         return (self.latent_dim + self.rope_dim) * _ELEMENT_BYTES[self.kv_format]
 
     @property
-    def indexer_row_bytes(self) -> int:
+    def indexer_key_bytes(self) -> int:
+        """Bytes of one token's key in one full layer (fp8: its values and its scale, stored apart)."""
         if self.kv_format == "fp8":
-            return fp8_rows.indexer_row_bytes(self.index_dim)
+            return fp8_rows.indexer_key_bytes(self.index_dim)
         return self.index_dim * _ELEMENT_BYTES[self.kv_format]
+
+    @property
+    def indexer_block_order(self) -> str:
+        """How a full layer's block of an indexer page orders its keys' bytes: "values_then_scales" (fp8: every
+        token's values, then every token's scale) or "rows" (one whole key per token)."""
+        return "values_then_scales" if self.kv_format == "fp8" else "rows"
 
     @property
     def page_bytes(self) -> int:
@@ -100,7 +119,7 @@ class KVLayout:
 
     @functools.cached_property
     def indexer_tokens_per_page(self) -> int:
-        per_token = self.num_full_layers * self.indexer_row_bytes
+        per_token = self.num_full_layers * self.indexer_key_bytes
         tokens = (self.page_bytes // per_token) // self.page_size * self.page_size
         if tokens == 0:
             raise ValueError("an indexer page must hold at least one page of tokens")
@@ -108,7 +127,7 @@ class KVLayout:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.num_layers * self.mla_row_bytes + self.num_full_layers * self.indexer_row_bytes
+        return self.num_layers * self.mla_row_bytes + self.num_full_layers * self.indexer_key_bytes
 
     # --- views into a pool of pages -------------------------------------------------
 
@@ -125,16 +144,28 @@ class KVLayout:
         g, j = self.layer_group[layer], self.layer_pos[layer]
         return RowPlacement(self.page_size, self.group_offset(g) + j * self.mla_row_bytes, self.group_run_bytes[g])
 
-    def indexer_placement(self, full_index: int) -> RowPlacement:
-        """Where one full layer's indexer keys sit in an indexer page."""
-        tokens, rb = self.indexer_tokens_per_page, self.indexer_row_bytes
-        return RowPlacement(tokens, full_index * tokens * rb, rb)
+    def indexer_block_offset(self, full_index: int) -> int:
+        """Byte offset of a full layer's block (its keys of the page) inside an indexer page."""
+        return full_index * self.indexer_tokens_per_page * self.indexer_key_bytes
 
-    def indexer_layer_view(self, pool: torch.Tensor, full_index: int) -> torch.Tensor:
-        """[num_pages, indexer_tokens_per_page, indexer_row_bytes] uint8 view of one full layer's keys."""
-        tokens, rb = self.indexer_tokens_per_page, self.indexer_row_bytes
-        start = full_index * tokens * rb
-        return pool[:, start : start + tokens * rb].view(pool.shape[0], tokens, rb)
+    def indexer_placement(self, full_index: int) -> KeyPlacement:
+        """Where one full layer's FP8 keys sit in an indexer page (values, then scales), for kernels that write
+        keys by slot."""
+        if self.kv_format != "fp8":
+            raise ValueError(f"{self.kv_format} indexer keys are whole rows, not placed as values and scales")
+        tokens, start, dim = self.indexer_tokens_per_page, self.indexer_block_offset(full_index), self.index_dim
+        return KeyPlacement(tokens, start, dim, start + tokens * dim, 4)
+
+    def indexer_layer_view(self, pool: torch.Tensor, full_index: int) -> IndexerKeys:
+        """One full layer's keys in every page of `pool`: values [num_pages, indexer_tokens_per_page, Di or
+        indexer_key_bytes] and, for fp8, scales [num_pages, indexer_tokens_per_page, 4] (uint8 views)."""
+        tokens = self.indexer_tokens_per_page
+        if self.kv_format != "fp8":
+            return IndexerKeys(_runs(pool, self.indexer_block_offset(full_index), tokens, self.indexer_key_bytes),
+                               None)
+        place = self.indexer_placement(full_index)
+        return IndexerKeys(_runs(pool, place.value_offset, tokens, place.value_stride),
+                           _runs(pool, place.scale_offset, tokens, place.scale_stride))
 
     # --- row encoding ---------------------------------------------------------------
 
@@ -154,13 +185,20 @@ class KVLayout:
         return rows.contiguous().view(src).to(dtype)
 
     def encode_indexer(self, keys: torch.Tensor) -> torch.Tensor:
+        """[N, Di] -> [N, indexer_key_bytes] uint8 (fp8: values, then the scale), as `IndexerKeys.store` takes."""
         if self.kv_format == "fp8":
             return fp8_rows.pack_indexer_rows(keys)
         dtype = torch.float32 if self.kv_format == "float32" else torch.bfloat16
         return keys.to(dtype).contiguous().view(torch.uint8).reshape(keys.shape[0], -1)
 
     def decode_indexer(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[N, indexer_key_bytes] uint8, as `IndexerKeys.rows` gives them -> [N, Di] in `dtype`."""
         if self.kv_format == "fp8":
             return fp8_rows.unpack_indexer_rows(rows, self.index_dim).to(dtype)
         src = torch.float32 if self.kv_format == "float32" else torch.bfloat16
         return rows.contiguous().view(src).to(dtype)
+
+
+def _runs(pool: torch.Tensor, offset: int, tokens: int, width: int) -> torch.Tensor:
+    """[num_pages, tokens, width] uint8 view of `tokens` back-to-back runs of `width` bytes from `offset`."""
+    return pool[:, offset : offset + tokens * width].view(pool.shape[0], tokens, width)

@@ -14,7 +14,7 @@ import torch
 from engine.attention_ops import TopK, TorchAttentionOps
 from engine.forward_batch import ForwardBatch
 from kernels.fp8_pack import LatentPrep, pack_indexer_rows_into, pack_mla_rows_into
-from kernels.indexer import indexer_scores
+from kernels.indexer import IndexerKeys, indexer_scores
 from kernels.sparse_mla import sparse_mla
 from kernels.topk import topk_positions
 
@@ -42,7 +42,7 @@ class TritonAttentionOps(TorchAttentionOps):
         pack_indexer_rows_into(keys.contiguous(), kv_pool, slots.contiguous(), self.layout.indexer_placement(full_index))
 
     def indexer_topk(
-        self, q: torch.Tensor, weights: torch.Tensor, view: torch.Tensor, batch: ForwardBatch, topk: int,
+        self, q: torch.Tensor, weights: torch.Tensor, view: IndexerKeys, batch: ForwardBatch, topk: int,
         scale: float, full_index: int,
     ) -> TopK:
         """All rows of the batch from the page pool (see `AttentionOps`); the same positions as the PyTorch

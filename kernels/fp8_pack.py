@@ -3,17 +3,26 @@
 At every forward the new tokens' MLA rows (normed latent [N, Dl] + roped key
 [N, Dr]) and indexer keys [N, D] are packed into the byte formats of
 `kernels/fp8_rows.py` and written into the pool at the tokens' slots of one
-layer, without an intermediate rows tensor. Where a row lands is a
-`RowPlacement`:
+layer, without an intermediate rows tensor. An MLA row is one run of bytes
+(values, scales, roped key) and lands by a `RowPlacement`:
 
     byte = (slot // tokens_per_page) * page_bytes + row_offset
            + (slot % tokens_per_page) * token_stride
 
 MLA layer `l` in IndexShare group `g` at position `j`: tokens_per_page = page
 size, row_offset = group_offset(g) + j * mla_row_bytes, token_stride =
-group_run_bytes[g]. Indexer (full layer number `f`): tokens_per_page =
-indexer_tokens_per_page, row_offset = f * tokens_per_page * indexer_row_bytes,
-token_stride = indexer_row_bytes.
+group_run_bytes[g]. An indexer key's values and its scale live apart, each at a
+`KeyPlacement`:
+
+    values = (slot // tokens_per_page) * page_bytes + value_offset
+             + (slot % tokens_per_page) * value_stride
+    scale  = (slot // tokens_per_page) * page_bytes + scale_offset
+             + (slot % tokens_per_page) * scale_stride
+
+Full layer number `f` (`engine/kv_layout.py`, T = indexer_tokens_per_page, D =
+index dim): value_offset = f * T * (D + 4), value_stride = D, scale_offset =
+value_offset + T * D, scale_stride = 4: all of the layer's values, then all of
+its scales, so every key's values start 16-byte aligned.
 
 The result equals the `fp8_rows` twins byte for byte: scales and quotients use
 IEEE division (`div_rn`), and fp32 -> e4m3fn / bf16 rounding is done in integer
@@ -46,6 +55,17 @@ class RowPlacement(NamedTuple):
     tokens_per_page: int  # tokens of this row kind per page
     row_offset: int  # byte offset of token 0's row inside a page
     token_stride: int  # bytes from one token's row to the next
+
+
+class KeyPlacement(NamedTuple):
+    """Where the FP8 indexer keys of one full layer live inside an indexer page: values and scales apart (see
+    the module docstring)."""
+
+    tokens_per_page: int  # keys per indexer page
+    value_offset: int  # byte offset of token 0's fp8 values inside a page
+    value_stride: int  # bytes from one token's values to the next
+    scale_offset: int  # byte offset of token 0's float32 scale inside a page
+    scale_stride: int  # bytes from one token's scale to the next
 
 
 @triton.jit
@@ -92,14 +112,15 @@ def _store_bf16(base, index, v, mask):
 @triton.jit
 def _pack_kernel(
     x_ptr, rope_ptr, pool_ptr, slots_ptr, norm_ptr, cos_ptr, sin_ptr,
-    x_stride, rope_stride, page_bytes, row_offset, token_stride, eps, table_stride,
+    x_stride, rope_stride, page_bytes, row_offset, token_stride, scale_offset, scale_stride, eps, table_stride,
     TOKENS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
     NB_P: tl.constexpr, BS_P: tl.constexpr, DR: tl.constexpr, DR_P: tl.constexpr,
     NORM: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + n).to(tl.int64)
-    row = pool_ptr + (slot // TOKENS) * page_bytes + row_offset + (slot % TOKENS) * token_stride
+    page = pool_ptr + (slot // TOKENS) * page_bytes
+    row = page + row_offset + (slot % TOKENS) * token_stride
 
     blk = tl.arange(0, NB_P)
     col = tl.arange(0, BS_P)
@@ -117,7 +138,8 @@ def _pack_kernel(
 
     four = tl.arange(0, 4)
     scale_bytes = (scale.to(tl.uint32, bitcast=True)[:, None] >> (8 * four[None, :]).to(tl.uint32)) & 0xFF
-    tl.store(row + D + 4 * blk[:, None] + four[None, :], scale_bytes.to(tl.uint8), mask=blk[:, None] < NB)
+    scales_at = page + scale_offset + (slot % TOKENS) * scale_stride
+    tl.store(scales_at + 4 * blk[:, None] + four[None, :], scale_bytes.to(tl.uint8), mask=blk[:, None] < NB)
 
     if DR > 0:
         rope_at = row + D + 4 * NB  # bf16 values, two bytes each
@@ -134,8 +156,7 @@ def _pack_kernel(
             _store_bf16(rope_at, r, rope, r < DR)
 
 
-def _check(values: list[tuple[str, torch.Tensor]], pool: torch.Tensor, slots: torch.Tensor,
-           place: RowPlacement, row_bytes: int) -> None:
+def _check(values: list[tuple[str, torch.Tensor]], pool: torch.Tensor, slots: torch.Tensor) -> None:
     n = slots.shape[0] if slots.dim() == 1 else -1
     if n < 0 or slots.dtype not in (torch.int32, torch.int64) or slots.device != pool.device:
         raise ValueError("slots must be a 1-D int32/int64 tensor on the pool's device")
@@ -146,9 +167,15 @@ def _check(values: list[tuple[str, torch.Tensor]], pool: torch.Tensor, slots: to
             raise ValueError(f"{name} rows must be contiguous")
     if pool.dim() != 2 or pool.dtype != torch.uint8 or not pool.is_contiguous():
         raise ValueError("pool must be a contiguous [pages, page_bytes] uint8 tensor")
-    tokens, offset, stride = place
-    if tokens <= 0 or offset < 0 or stride < row_bytes or offset + (tokens - 1) * stride + row_bytes > pool.shape[1]:
-        raise ValueError(f"{place} does not fit {row_bytes}-byte rows in a {pool.shape[1]}-byte page")
+
+
+def _check_runs(place: RowPlacement | KeyPlacement, pool: torch.Tensor, runs: list[tuple[int, int, int]]) -> None:
+    """For each (offset, stride, size): tokens_per_page runs of `size` bytes, `stride` apart from `offset`, fit
+    in a page without overlapping."""
+    tokens = place.tokens_per_page
+    for offset, stride, size in runs:
+        if tokens <= 0 or offset < 0 or stride < size or offset + (tokens - 1) * stride + size > pool.shape[1]:
+            raise ValueError(f"{place} does not fit {size}-byte runs in a {pool.shape[1]}-byte page")
 
 
 class LatentPrep(NamedTuple):
@@ -166,22 +193,44 @@ _DT = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.
 
 
 def _launch(x: torch.Tensor, rope: torch.Tensor | None, pool: torch.Tensor, slots: torch.Tensor,
-            place: RowPlacement, num_blocks: int, prep: LatentPrep | None = None) -> None:
+            place: RowPlacement | KeyPlacement, num_blocks: int, prep: LatentPrep | None = None) -> None:
     n, d = x.shape
     dr = 0 if rope is None else rope.shape[1]
     if n == 0:
         return
+    if isinstance(place, KeyPlacement):
+        tokens, row_offset, token_stride, scale_offset, scale_stride = place
+    else:  # the scales follow the values inside the row
+        tokens, row_offset, token_stride = place
+        scale_offset, scale_stride = row_offset + d, token_stride
     bs = d // num_blocks
     _pack_kernel[(n,)](
         x, x if rope is None else rope, pool, slots,
         x if prep is None else prep.norm_weight, x if prep is None else prep.cos, x if prep is None else prep.sin,
-        x.stride(0), 0 if rope is None else rope.stride(0), pool.shape[1], place.row_offset, place.token_stride,
-        0.0 if prep is None else prep.eps, 0 if prep is None else prep.cos.stride(0),
-        TOKENS=place.tokens_per_page, D=d, NB=num_blocks, BS=bs,
+        x.stride(0), 0 if rope is None else rope.stride(0), pool.shape[1], row_offset, token_stride,
+        scale_offset, scale_stride, 0.0 if prep is None else prep.eps, 0 if prep is None else prep.cos.stride(0),
+        TOKENS=tokens, D=d, NB=num_blocks, BS=bs,
         NB_P=triton.next_power_of_2(num_blocks), BS_P=triton.next_power_of_2(bs),
         DR=dr, DR_P=triton.next_power_of_2(max(dr, 1)), NORM=prep is not None, ROTATE=prep is not None,
         INTERLEAVED=prep is not None and prep.interleaved, DT=_DT.get(x.dtype, tl.float32), num_warps=4,
     )
+
+
+def _check_mla(latent: torch.Tensor, rope: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+               place: RowPlacement) -> None:
+    _check([("latent", latent), ("rope", rope)], pool, slots)
+    if not isinstance(place, RowPlacement):
+        raise TypeError(f"MLA rows are placed by a RowPlacement, got {place!r}")
+    _check_runs(place, pool, [(place.row_offset, place.token_stride,
+                               fp8_rows.mla_row_bytes(latent.shape[1], rope.shape[1]))])
+
+
+def _check_keys(keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, place: KeyPlacement) -> None:
+    _check([("keys", keys)], pool, slots)
+    if not isinstance(place, KeyPlacement):
+        raise TypeError(f"indexer keys are placed by a KeyPlacement (values and scales apart), got {place!r}")
+    _check_runs(place, pool, [(place.value_offset, place.value_stride, keys.shape[1]),
+                              (place.scale_offset, place.scale_stride, 4)])
 
 
 def pack_mla_rows_into(latent: torch.Tensor, rope: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
@@ -189,8 +238,7 @@ def pack_mla_rows_into(latent: torch.Tensor, rope: torch.Tensor, pool: torch.Ten
     """[N, Dl] latent + [N, Dr] rope -> FP8 MLA rows at `slots` of one layer of `pool`. With `prep` the inputs
     are kv_a_proj's raw outputs (rows may be strided), normalised and rotated here first (in their dtype's
     roundings), so the norm and the rotary embedding cost no launch of their own."""
-    row_bytes = fp8_rows.mla_row_bytes(latent.shape[1], rope.shape[1])
-    _check([("latent", latent), ("rope", rope)], pool, slots, place, row_bytes)
+    _check_mla(latent, rope, pool, slots, place)
     if prep is not None and (prep.norm_weight.shape != (latent.shape[1],) or prep.norm_weight.stride(0) != 1
                              or prep.cos.shape != (latent.shape[0], rope.shape[1] // 2) or prep.cos.stride(1) != 1
                              or prep.sin.shape != prep.cos.shape or prep.sin.stride() != prep.cos.stride()
@@ -200,36 +248,39 @@ def pack_mla_rows_into(latent: torch.Tensor, rope: torch.Tensor, pool: torch.Ten
 
 
 def pack_indexer_rows_into(keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                           place: RowPlacement) -> None:
-    """[N, D] indexer keys -> FP8 indexer rows at `slots` of one full layer of `pool`."""
-    _check([("keys", keys)], pool, slots, place, fp8_rows.indexer_row_bytes(keys.shape[1]))
+                           place: KeyPlacement) -> None:
+    """[N, D] indexer keys -> FP8 values and scales at `slots` of one full layer of `pool`."""
+    _check_keys(keys, pool, slots, place)
     _launch(keys, None, pool, slots, place, 1)
 
 
 # --- PyTorch twins -------------------------------------------------------------------
 
 
-def _scatter_rows(rows: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, place: RowPlacement) -> None:
+def _scatter(data: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, tokens_per_page: int, offset: int,
+             stride: int) -> None:
+    """data [N, bytes] uint8 to the runs at `offset + token * stride` of the slots' pages."""
     slots = slots.long()
-    base = (slots // place.tokens_per_page) * pool.shape[1] + place.row_offset
-    base = base + (slots % place.tokens_per_page) * place.token_stride
-    idx = base[:, None] + torch.arange(rows.shape[1], device=pool.device)
-    pool.view(-1)[idx.reshape(-1)] = rows.reshape(-1)
+    base = (slots // tokens_per_page) * pool.shape[1] + offset + (slots % tokens_per_page) * stride
+    idx = base[:, None] + torch.arange(data.shape[1], device=pool.device)
+    pool.view(-1)[idx.reshape(-1)] = data.reshape(-1)
 
 
 def pack_mla_rows_into_reference(latent: torch.Tensor, rope: torch.Tensor, pool: torch.Tensor,
                                  slots: torch.Tensor, place: RowPlacement) -> None:
     """Twin of `pack_mla_rows_into` through `fp8_rows.pack_mla_rows`."""
-    _check([("latent", latent), ("rope", rope)], pool, slots, place,
-           fp8_rows.mla_row_bytes(latent.shape[1], rope.shape[1]))
-    _scatter_rows(fp8_rows.pack_mla_rows(latent, rope), pool, slots, place)
+    _check_mla(latent, rope, pool, slots, place)
+    _scatter(fp8_rows.pack_mla_rows(latent, rope), pool, slots, *place)
 
 
 def pack_indexer_rows_into_reference(keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                                     place: RowPlacement) -> None:
+                                     place: KeyPlacement) -> None:
     """Twin of `pack_indexer_rows_into` through `fp8_rows.pack_indexer_rows`."""
-    _check([("keys", keys)], pool, slots, place, fp8_rows.indexer_row_bytes(keys.shape[1]))
-    _scatter_rows(fp8_rows.pack_indexer_rows(keys), pool, slots, place)
+    _check_keys(keys, pool, slots, place)
+    packed = fp8_rows.pack_indexer_rows(keys)
+    d = keys.shape[1]
+    _scatter(packed[:, :d], pool, slots, place.tokens_per_page, place.value_offset, place.value_stride)
+    _scatter(packed[:, d:], pool, slots, place.tokens_per_page, place.scale_offset, place.scale_stride)
 
 
 @triton.jit

@@ -1,12 +1,15 @@
 """FP8 KV row formats: packing at KV write, unpacking inside readers.
 
 MLA row (656 bytes at GLM shape): the latent as fp8 e4m3 in blocks of 128
-values, one fp32 scale per block, then the roped key in bf16. Indexer row
-(132 bytes): the key as fp8 e4m3 with one fp32 scale. Scales are amax / 448 so
-every block uses the full e4m3 range; an all-zero block gets scale 1.
+values, one fp32 scale per block, then the roped key in bf16. Indexer key
+(132 bytes at GLM shape): the key as fp8 e4m3 values with one fp32 scale;
+`pack_indexer_rows` returns each key as one [D + 4] run (values, then scale),
+while an indexer page stores a layer's values and scales in two separate areas
+(`engine/kv_layout.py`). Scales are amax / 448 so every block uses the full
+e4m3 range; an all-zero block gets scale 1.
 
 This module holds the plain PyTorch twins; every reader and writer in the
-engine goes through these byte layouts.
+engine goes through these byte formats.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ def mla_row_bytes(latent_dim: int, rope_dim: int) -> int:
     return latent_dim + 4 * num_scale_blocks(latent_dim) + 2 * rope_dim
 
 
-def indexer_row_bytes(dim: int) -> int:
+def indexer_key_bytes(dim: int) -> int:
+    """Bytes of one FP8 indexer key: `dim` e4m3 values and one fp32 scale."""
     return dim + 4
 
 
@@ -67,14 +71,14 @@ def unpack_mla_rows(rows: torch.Tensor, latent_dim: int, rope_dim: int) -> torch
 
 
 def pack_indexer_rows(keys: torch.Tensor) -> torch.Tensor:
-    """[N, D] indexer keys -> [N, D + 4] uint8 (fp8 values, then one fp32 scale)."""
+    """[N, D] indexer keys -> [N, D + 4] uint8 (fp8 values, then the fp32 scale's 4 bytes)."""
     n = keys.shape[0]
     q, scales = _quantize_blocks(keys, 1)
     return torch.cat([q, scales.contiguous().view(torch.uint8).reshape(n, 4)], dim=1)
 
 
 def unpack_indexer_rows(rows: torch.Tensor, dim: int) -> torch.Tensor:
-    """[N, D + 4] uint8 -> [N, D] float32."""
+    """[N, D + 4] uint8 (fp8 values, then the fp32 scale's 4 bytes) -> [N, D] float32."""
     q = rows[:, :dim].contiguous().view(torch.float8_e4m3fn).float()
     scales = rows[:, dim : dim + 4].contiguous().view(torch.float32)
     return q * scales

@@ -6,13 +6,16 @@ r = row_to_req[n] and visible length L = min(ctx_lens[n], limits[n], max_ctx):
     score[n, p] = sum_h w[n, h] * relu(scale * q[n, h] . key[p])    for p < L
     score[n, p] = -inf                                                 otherwise
 
-Keys live in one full-indexer layer's page view `[num_pages, T, row_bytes]`
-uint8 (T tokens per indexer page, a multiple of 64); logical page p // T of
-request r is physical page `page_table[r, p // T]`. Row formats: `fp8` (Di e4m3
-values then one fp32 scale, `kernels.fp8_rows`), `bf16`, `float32`. The dot
-runs in fp16 for fp8 rows (e4m3 -> fp16 is exact; the row scale multiplies the
-dot), in the query dtype for bf16 rows, and in IEEE float32 for float32 queries.
-At most 65535 query rows per launch (grid limit).
+Keys live in one full-indexer layer's area of every indexer page, viewed as
+`IndexerKeys` (T tokens per indexer page, a multiple of 64); logical page
+p // T of request r is physical page `page_table[r, p // T]`. Key formats:
+`fp8` (Di e4m3 values and one fp32 scale, `kernels.fp8_rows`), stored as the
+page's values [T, Di] followed by its scales [T]: each key's values are one
+Di-byte block at a Di-byte stride, loaded as aligned 16-byte vectors; `bf16`
+and `float32` keys are whole rows [T, Di]. The dot runs in fp16 for fp8 keys
+(e4m3 -> fp16 is exact; the key's scale multiplies the dot), in the query dtype
+for bf16 keys, and in IEEE float32 for float32 queries. At most 65535 query
+rows per launch (grid limit).
 
 Top-K: `positions[n, :counts[n]]` are the positions of the counts[n] =
 min(K, L) largest scores, in ascending position order, ties to the smaller
@@ -41,6 +44,36 @@ from kernels.topk import topk_positions, topk_positions_ref
 KV_FORMATS = ("fp8", "bf16", "float32")
 
 
+class IndexerKeys(NamedTuple):
+    """One full layer's cached indexer keys in a pool of pages (uint8 views of the pool, no copy).
+
+    `values` [pages, T, value_bytes], one contiguous run per token: a key's Di
+    fp8 values (fp8) or the whole bf16 / float32 key. `scales` [pages, T, 4]:
+    each fp8 key's float32 scale, in an area of the page of its own; None for
+    bf16 / float32 keys.
+    """
+
+    values: torch.Tensor
+    scales: torch.Tensor | None
+
+    @property
+    def tokens_per_page(self) -> int:
+        return self.values.shape[1]
+
+    def rows(self, pages: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The keys at (pages, tokens) as runs of key bytes [..., key_bytes]: values, then the scale (fp8), the
+        form `kernels.fp8_rows` packs and unpacks."""
+        values = self.values[pages, tokens]
+        return values if self.scales is None else torch.cat([values, self.scales[pages, tokens]], dim=-1)
+
+    def store(self, pages: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor) -> None:
+        """Writes keys [..., key_bytes] in the form `rows` returns at (pages, tokens) (distinct)."""
+        width = self.values.shape[2]
+        self.values[pages, tokens] = rows[..., :width]
+        if self.scales is not None:
+            self.scales[pages, tokens] = rows[..., width:]
+
+
 class IndexerTopK(NamedTuple):
     positions: torch.Tensor  # [N, K] int32 token positions, first counts[n] valid
     counts: torch.Tensor  # [N] int32 = min(K, visible length)
@@ -64,9 +97,10 @@ class IndexerConfig:
         return cls(block_t=64, num_warps=4, num_stages=2)
 
 
-def indexer_row_bytes(kv_format: str, dim: int) -> int:
+def indexer_value_bytes(kv_format: str, dim: int) -> int:
+    """Bytes of one key's values: Di e4m3 values (its scale is stored apart) or the whole bf16 / float32 key."""
     if kv_format == "fp8":
-        return fp8_rows.indexer_row_bytes(dim)
+        return dim
     return dim * (4 if kv_format == "float32" else 2)
 
 
@@ -96,13 +130,13 @@ def _decode_keys(rows: torch.Tensor, kv_format: str, dim: int) -> torch.Tensor:
 
 
 def indexer_scores_ref(
-    q: torch.Tensor, weights: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+    q: torch.Tensor, weights: torch.Tensor, kv: IndexerKeys, page_table: torch.Tensor,
     row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
     kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch scores [N, max(max_ctx, topk)] float32; `config` is ignored."""
-    tokens = kv.shape[1]
+    tokens = kv.tokens_per_page
     max_ctx = page_table.shape[1] * tokens if max_ctx is None else max_ctx
     width = max(max_ctx, topk)
     visible = _visible(ctx_lens, limits, max_ctx)
@@ -111,7 +145,7 @@ def indexer_scores_ref(
     page = torch.clamp(pos // tokens, max=page_table.shape[1] - 1)
     phys = page_table[row_to_req.long()][:, page].long()  # [N, W]
     phys = torch.where(valid, phys, torch.zeros_like(phys))
-    rows = kv[phys, (pos % tokens)[None, :].expand_as(phys)]  # [N, W, row_bytes]
+    rows = kv.rows(phys, (pos % tokens)[None, :].expand_as(phys))  # [N, W, key_bytes]
     n, dim = q.shape[0], q.shape[2]
     keys = _decode_keys(rows.reshape(n * width, -1), kv_format, dim).reshape(n, width, dim)
     logits = torch.relu(torch.einsum("nhd,nwd->nhw", q.float(), keys) * scale)
@@ -121,14 +155,14 @@ def indexer_scores_ref(
 
 
 def indexer_topk_ref(
-    q: torch.Tensor, weights: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+    q: torch.Tensor, weights: torch.Tensor, kv: IndexerKeys, page_table: torch.Tensor,
     row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
     kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
 ) -> IndexerTopK:
     """Plain PyTorch indexer top-K."""
     scores = indexer_scores_ref(q, weights, kv, page_table, row_to_req, ctx_lens, limits,
                                 kv_format=kv_format, scale=scale, topk=topk, max_ctx=max_ctx)
-    max_ctx = page_table.shape[1] * kv.shape[1] if max_ctx is None else max_ctx
+    max_ctx = page_table.shape[1] * kv.tokens_per_page if max_ctx is None else max_ctx
     return _select(scores, _visible(ctx_lens, limits, max_ctx), topk, kernel=False)
 
 
@@ -136,18 +170,19 @@ def indexer_topk_ref(
 
 
 @triton.jit
-def _load_keys(kv_ptr, table_row, t0, visible, num_table_pages, stride_kp,
+def _load_keys(kv_ptr, sc_ptr, table_row, t0, visible, num_table_pages, stride_kp, stride_sp,
                DI: tl.constexpr, TOKENS: tl.constexpr, ROW: tl.constexpr, KV_FMT: tl.constexpr, BLOCK_T: tl.constexpr):
     """Issue the loads of one tile of keys (one indexer page holds the whole tile): values as stored, scales."""
     pos = t0 + tl.arange(0, BLOCK_T)
     valid = pos < visible
     lp = t0 // TOKENS
     phys = tl.load(table_row + lp, mask=(t0 < visible) & (lp < num_table_pages), other=0).to(tl.int64)
-    row = phys * stride_kp + (pos % TOKENS) * ROW  # constexpr row size: the compiler sees its alignment
+    row = phys * stride_kp + (pos % TOKENS) * ROW  # constexpr value bytes: the compiler sees their alignment
     cd = tl.arange(0, DI)
-    if KV_FMT == 0:  # fp8 values then one fp32 scale
+    if KV_FMT == 0:  # fp8: each key's DI values one block (ROW == DI), its fp32 scale in the scales area
         k = tl.load(kv_ptr + row[:, None] + cd[None, :], mask=valid[:, None], other=0)
-        ksc = tl.load((kv_ptr + row + DI).to(tl.pointer_type(tl.float32), bitcast=True), mask=valid, other=0.0)
+        sc = phys * stride_sp + (pos % TOKENS) * 4
+        ksc = tl.load((sc_ptr + sc).to(tl.pointer_type(tl.float32), bitcast=True), mask=valid, other=0.0)
     else:
         if KV_FMT == 1:
             kp = (kv_ptr + row).to(tl.pointer_type(tl.bfloat16), bitcast=True)
@@ -161,8 +196,8 @@ def _load_keys(kv_ptr, table_row, t0, visible, num_table_pages, stride_kp,
 # Sizes that change from step to step are not specialised on: a new batch shape reuses the compiled kernel.
 @triton.jit(do_not_specialize=["stride_tb", "num_table_pages", "width", "tiles"])
 def _indexer_score_kernel(
-    q_ptr, w_ptr, kv_ptr, table_ptr, req_ptr, vis_ptr, score_ptr,
-    stride_qn, stride_qh, stride_wn, stride_kp, stride_tb, stride_sn,
+    q_ptr, w_ptr, kv_ptr, sc_ptr, table_ptr, req_ptr, vis_ptr, score_ptr,
+    stride_qn, stride_qh, stride_wn, stride_kp, stride_sp, stride_tb, stride_sn,
     num_heads, num_table_pages, width, scale, tiles,
     DI: tl.constexpr, TOKENS: tl.constexpr, ROW: tl.constexpr, KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
     IEEE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr,
@@ -178,16 +213,16 @@ def _indexer_score_kernel(
     table_row = table_ptr + tl.load(req_ptr + n).to(tl.int64) * stride_tb
     first = pid * tiles * BLOCK_T
     if PREFETCH:
-        nxt_k, nxt_sc = _load_keys(kv_ptr, table_row, first, visible, num_table_pages, stride_kp,
-                                   DI, TOKENS, ROW, KV_FMT, BLOCK_T)
+        nxt_k, nxt_sc = _load_keys(kv_ptr, sc_ptr, table_row, first, visible, num_table_pages, stride_kp,
+                                   stride_sp, DI, TOKENS, ROW, KV_FMT, BLOCK_T)
     for i in range(tiles):
         t0 = first + i * BLOCK_T
         if PREFETCH:
             k, ksc = nxt_k, nxt_sc
-            nxt_k, nxt_sc = _load_keys(kv_ptr, table_row, t0 + BLOCK_T, visible, num_table_pages, stride_kp,
-                                       DI, TOKENS, ROW, KV_FMT, BLOCK_T)
+            nxt_k, nxt_sc = _load_keys(kv_ptr, sc_ptr, table_row, t0 + BLOCK_T, visible, num_table_pages,
+                                       stride_kp, stride_sp, DI, TOKENS, ROW, KV_FMT, BLOCK_T)
         else:
-            k, ksc = _load_keys(kv_ptr, table_row, t0, visible, num_table_pages, stride_kp,
+            k, ksc = _load_keys(kv_ptr, sc_ptr, table_row, t0, visible, num_table_pages, stride_kp, stride_sp,
                                 DI, TOKENS, ROW, KV_FMT, BLOCK_T)
         if KV_FMT == 0:
             k = k.to(tl.float8e4nv, bitcast=True)
@@ -226,17 +261,25 @@ def _check(q, weights, kv, page_table, row_to_req, ctx_lens, limits, kv_format, 
         raise ValueError(f"index dim must be a power of two >= 16, got {di}")
     if weights.dtype != torch.float32 or weights.shape != (n, hi) or weights.stride(1) != 1:
         raise ValueError("weights must be float32 [N, Hi] with unit last stride")
-    rb = indexer_row_bytes(kv_format, di)
-    if kv.dtype != torch.uint8 or kv.dim() != 3 or kv.shape[2] != rb or kv.stride(2) != 1 or kv.stride(1) != rb:
-        raise ValueError(f"kv must be a uint8 [pages, T, {rb}] view, rows contiguous within a page")
-    if kv.shape[1] % block_t:
-        raise ValueError(f"tokens per indexer page {kv.shape[1]} must be a multiple of block_t {block_t}")
+    vb = indexer_value_bytes(kv_format, di)
+    values, scales = kv
+    if (values.dtype != torch.uint8 or values.dim() != 3 or values.shape[2] != vb or values.stride(2) != 1
+            or values.stride(1) != vb):
+        raise ValueError(f"kv.values must be a uint8 [pages, T, {vb}] view, rows contiguous within a page")
+    if (scales is None) != (kv_format != "fp8"):
+        raise ValueError(f"kv.scales must be {'a view' if kv_format == 'fp8' else 'None'} for {kv_format} keys")
+    if scales is not None and (scales.dtype != torch.uint8 or scales.shape != (*values.shape[:2], 4)
+                               or scales.stride(2) != 1 or scales.stride(1) != 4 or scales.device != values.device):
+        raise ValueError(f"kv.scales must be a uint8 [pages, T, 4] view of {tuple(values.shape[:2])}, "
+                         "scales contiguous within a page")
+    if values.shape[1] % block_t:
+        raise ValueError(f"tokens per indexer page {values.shape[1]} must be a multiple of block_t {block_t}")
     if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
         raise ValueError("page_table must be int32 [R, max_pages] with unit last stride")
     for t, name in ((row_to_req, "row_to_req"), (ctx_lens, "ctx_lens"), (limits, "limits")):
         if t.dtype != torch.int32 or t.shape != (n,):
             raise ValueError(f"{name} must be int32 [N]")
-    if len({t.device for t in (q, weights, kv, page_table, row_to_req, ctx_lens, limits)}) != 1:
+    if len({t.device for t in (q, weights, values, page_table, row_to_req, ctx_lens, limits)}) != 1:
         raise ValueError("all inputs must share a device")
 
 
@@ -252,16 +295,18 @@ def _tiles(cfg: IndexerConfig, n: int, width: int, device: torch.device) -> int:
 
 
 def indexer_scores(
-    q: torch.Tensor, weights: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+    q: torch.Tensor, weights: torch.Tensor, kv: IndexerKeys, page_table: torch.Tensor,
     row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
     kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton scores [N, max(max_ctx, topk)] float32 (-inf where not visible), optionally into `out`."""
-    cfg = config or IndexerConfig.for_problem(kv_format, kv.shape[1])
+    if not isinstance(kv, IndexerKeys):
+        raise ValueError(f"kv must be IndexerKeys (values and scales views), got {type(kv).__name__}")
+    cfg = config or IndexerConfig.for_problem(kv_format, kv.tokens_per_page)
     _check(q, weights, kv, page_table, row_to_req, ctx_lens, limits, kv_format, cfg.block_t)
     n, hi, di = q.shape
-    max_ctx = page_table.shape[1] * kv.shape[1] if max_ctx is None else max_ctx
+    max_ctx = page_table.shape[1] * kv.tokens_per_page if max_ctx is None else max_ctx
     width = max(max_ctx, topk)
     if out is None:
         scores = torch.empty((n, width), dtype=torch.float32, device=q.device)
@@ -274,11 +319,13 @@ def indexer_scores(
     visible = _visible(ctx_lens, limits, max_ctx)
     tiles = _tiles(cfg, n, width, q.device)
     grid = (triton.cdiv(width, cfg.block_t * tiles), n)
+    values, scales = kv.values, kv.values if kv.scales is None else kv.scales
     _indexer_score_kernel[grid](
-        q, weights, kv, page_table, row_to_req, visible, scores,
-        q.stride(0), q.stride(1), weights.stride(0), kv.stride(0), page_table.stride(0),
+        q, weights, values, scales, page_table, row_to_req, visible, scores,
+        q.stride(0), q.stride(1), weights.stride(0), values.stride(0), scales.stride(0), page_table.stride(0),
         scores.stride(0), hi, page_table.shape[1], width, scale, tiles,
-        DI=di, TOKENS=kv.shape[1], KV_FMT=_FMT_CODE[kv_format], COMPUTE=compute_dtype(q.dtype, kv_format), ROW=kv.shape[2],
+        DI=di, TOKENS=kv.tokens_per_page, KV_FMT=_FMT_CODE[kv_format], COMPUTE=compute_dtype(q.dtype, kv_format),
+        ROW=values.shape[2],
         IEEE=q.dtype == torch.float32, BLOCK_H=max(16, triton.next_power_of_2(hi)),
         BLOCK_T=cfg.block_t, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -286,12 +333,12 @@ def indexer_scores(
 
 
 def indexer_topk(
-    q: torch.Tensor, weights: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
+    q: torch.Tensor, weights: torch.Tensor, kv: IndexerKeys, page_table: torch.Tensor,
     row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
     kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
 ) -> IndexerTopK:
     """Triton scoring then the top-K kernel: q [N, Hi, Di], weights [N, Hi] -> IndexerTopK."""
     scores = indexer_scores(q, weights, kv, page_table, row_to_req, ctx_lens, limits,
                             kv_format=kv_format, scale=scale, topk=topk, max_ctx=max_ctx, config=config)
-    max_ctx = page_table.shape[1] * kv.shape[1] if max_ctx is None else max_ctx
+    max_ctx = page_table.shape[1] * kv.tokens_per_page if max_ctx is None else max_ctx
     return _select(scores, _visible(ctx_lens, limits, max_ctx), topk, kernel=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +15,10 @@ from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
 from engine.tiny import TINY_CONFIG
 from engine.triton_ops import TritonAttentionOps
+from kernels import fp8_rows
+from kernels.indexer import IndexerKeys
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 @pytest.mark.parametrize("kv_format", ["float32", "fp8"])
@@ -32,7 +39,7 @@ def test_triton_sparse_mla_equals_torch_ops(kv_format: str) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def _indexer_batch(layout: KVLayout, gen: torch.Generator) -> tuple[torch.Tensor, ForwardBatch]:
+def _indexer_batch(layout: KVLayout, gen: torch.Generator) -> tuple[IndexerKeys, ForwardBatch]:
     """A page pool of random bytes and a batch of four requests over shuffled indexer pages.
 
     Contexts: 20 (shorter than top-K, one decode row), two pages (an extend chunk of four rows), 52 (an
@@ -56,7 +63,7 @@ def _indexer_batch(layout: KVLayout, gen: torch.Generator) -> tuple[torch.Tensor
         keys[3::7] = keys[1]
         pos = torch.arange(ctx)
         slots = table[req, pos // tokens] * tokens + pos % tokens
-        view[slots // tokens, slots % tokens] = layout.encode_indexer(keys)
+        view.store(slots // tokens, slots % tokens, layout.encode_indexer(keys))
     ranges, start = [], 0
     for rows in row_positions:
         ranges.append((start, start + len(rows)))
@@ -114,3 +121,40 @@ def test_triton_row_writes_store_the_same_bytes_as_torch_ops(kv_format: str) -> 
         ops.write_indexer_rows(target, 1, key_slots, keys)
     assert torch.equal(got, expected)
     assert not torch.equal(got, pool)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
+def test_indexer_keys_land_where_the_layout_says(kv_format: str) -> None:
+    """At GLM-5.3's shape: an FP8 key's 128 values at block + t * 128 (16-byte aligned), its fp32 scale at
+    block + T * 128 + 4 t, block = f * T * 132; a bf16 key one 256-byte row at block + t * 256. Both ops write
+    exactly those bytes, tokens per page and page bytes are the row layout's."""
+    cfg = ModelConfig.from_dict(json.loads((CONFIGS / "models" / "glm-5.3" / "config.json").read_text()))
+    layout = KVLayout.for_model(cfg, kv_format)
+    tokens, full = layout.indexer_tokens_per_page, layout.num_full_layers
+    key_bytes = 132 if kv_format == "fp8" else 256
+    assert layout.indexer_key_bytes == key_bytes
+    assert tokens == layout.page_bytes // (full * key_bytes) // 64 * 64 and tokens % 64 == 0
+    gen = torch.Generator().manual_seed(5)
+    pool = torch.randint(0, 256, (3, layout.page_bytes), dtype=torch.uint8, generator=gen)
+    slots = torch.tensor([0, 5, tokens - 1, tokens + 7, 3 * tokens - 1])
+    keys = torch.randn(len(slots), 128, generator=gen)
+    f = full - 1
+    block = f * tokens * key_bytes
+    expected = pool.clone()
+    for slot, key in zip(slots.tolist(), keys):
+        page, t = divmod(slot, tokens)
+        if kv_format == "fp8":
+            packed = fp8_rows.pack_indexer_rows(key[None])[0]
+            values, scale = block + t * 128, block + tokens * 128 + 4 * t
+            assert values % 16 == 0 and layout.page_bytes % 16 == 0
+            expected[page, values : values + 128] = packed[:128]
+            expected[page, scale : scale + 4] = packed[128:]
+        else:
+            expected[page, block + t * 256 : block + (t + 1) * 256] = key.bfloat16().view(torch.uint8)
+    for ops in (TorchAttentionOps(layout), TritonAttentionOps(layout)):
+        got = pool.clone()
+        ops.write_indexer_rows(got, f, slots, keys)
+        assert torch.equal(got, expected)
+        view = layout.indexer_layer_view(got, f)
+        torch.testing.assert_close(layout.decode_indexer(view.rows(slots // tokens, slots % tokens), torch.float32),
+                                   layout.decode_indexer(layout.encode_indexer(keys), torch.float32))

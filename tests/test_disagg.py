@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -149,15 +150,44 @@ def test_export_of_another_row_format_is_refused_naming_the_differences(
     _, decode = engines
     ids = _prompt(PAGE + 50, seed=13)
     export = _prefill_and_export(make_engine(tiny_dir, num_gpu_pages=64, kv_dtype="bf16"), ids)
-    differs = ("indexer_row_bytes 64 != 128, kv_format 'bf16' != 'float32', mla_row_bytes 288 != 576, "
+    differs = ("indexer_key_bytes 64 != 128, kv_format 'bf16' != 'float32', mla_row_bytes 288 != 576, "
                "page_bytes 110592 != 221184")
     with pytest.raises(ExportMismatch, match=re.escape(f"differs from this replica's (export != replica): {differs}")):
         export.verify(MODEL_ID, decode.layout, ids)
 
 
+@pytest.mark.parametrize("order, message", [
+    ("values_then_scales", "indexer_block_order 'values_then_scales' != 'rows'"),
+    (None, "indexer_block_order None != 'rows'"),
+])
+def test_export_of_another_indexer_block_order_is_refused(
+    engines: tuple[LLMEngine, LLMEngine], order: str | None, message: str
+) -> None:
+    """Indexer pages are sent whole, so their bytes mean what the sender's order says: FP8 keys' values then
+    scales, or whole rows. An export whose order is not the receiver's (or says none) is refused by name."""
+    prefill, decode = engines
+    ids = _prompt(PAGE + 50, seed=15)
+    export = _prefill_and_export(prefill, ids)
+    assert export.layout["indexer_block_order"] == "rows"
+    key = b"hisparse.layout.indexer_block_order"
+    meta = {k: v for k, v in export.batch.schema.metadata.items() if k != key}
+    if order is not None:
+        meta[key] = json.dumps(order).encode()
+    with pytest.raises(ExportMismatch, match=re.escape(f"(export != replica): {message}")):
+        KVExport(export.batch.replace_schema_metadata(meta)).verify(MODEL_ID, decode.layout, ids)
+
+
+def test_layout_facts_name_the_indexer_block_order(engines: tuple[LLMEngine, LLMEngine]) -> None:
+    tiny = engines[0].layout
+    for kv_format, order, key_bytes in (("fp8", "values_then_scales", 36), ("bf16", "rows", 64)):
+        facts = layout_facts(KVLayout(**{**dataclasses.asdict(tiny), "kv_format": kv_format}))
+        assert (facts["indexer_block_order"], facts["indexer_key_bytes"]) == (order, key_bytes)
+
+
 @pytest.mark.parametrize("damage, message", [
-    ("older version", "export format version 1, this replica reads version 2"),
-    ("no version", "export format version None, this replica reads version 2"),
+    ("older version", "export format version 1, this replica reads version 3"),
+    ("version 2", "export format version 2, this replica reads version 3"),
+    ("no version", "export format version None, this replica reads version 3"),
     ("columns", "export columns do not match its own layout"),
     ("rows", "export rows are not whole groups of MLA pages followed by their indexer pages"),
 ])
@@ -168,6 +198,8 @@ def test_exports_of_another_format_are_refused_when_read(
     export = _prefill_and_export(prefill, _prompt(PAGE + 50, seed=14))
     if damage == "older version":
         batch = _with_metadata(export, format_version="1")
+    elif damage == "version 2":  # FP8 indexer keys as 132-byte rows
+        batch = _with_metadata(export, format_version="2")
     elif damage == "no version":
         batch = export.batch.replace_schema_metadata(
             {k: v for k, v in export.batch.schema.metadata.items() if k != b"hisparse.format_version"})
@@ -234,11 +266,12 @@ def test_export_schema_and_metadata(engines: tuple[LLMEngine, LLMEngine]) -> Non
         ("page", f"fixed_size_binary[{page_bytes}]", False),
     ]
     meta = {k.decode(): v.decode() for k, v in schema.metadata.items()}
-    assert FORMAT_VERSION == 2
+    assert FORMAT_VERSION == 3
     assert {k: meta.pop(k) for k in ["hisparse.format_version", "hisparse.model_id", "hisparse.start_tokens"]} == {
-        "hisparse.format_version": "2", "hisparse.model_id": MODEL_ID, "hisparse.start_tokens": str(PAGE)}
-    layout = [meta[f"hisparse.layout.{k}"] for k in ("page_size", "page_bytes", "kv_format", "group_sizes")]
-    assert layout == ["64", "221184", '"float32"', "[1, 3, 2]"]
+        "hisparse.format_version": "3", "hisparse.model_id": MODEL_ID, "hisparse.start_tokens": str(PAGE)}
+    layout = [meta[f"hisparse.layout.{k}"]
+              for k in ("page_size", "page_bytes", "kv_format", "group_sizes", "indexer_block_order")]
+    assert layout == ["64", "221184", '"float32"', "[1, 3, 2]", '"rows"']
     assert meta == {f"hisparse.layout.{k}": json.dumps(v) for k, v in layout_facts(prefill.layout).items()}
     assert export.batch.column("use").to_pylist() == ["mla"] * PER_GROUP + ["indexer"]
     tokens = export.batch.column("token_ids")

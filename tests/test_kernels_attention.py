@@ -24,7 +24,9 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from engine.kv_layout import KVLayout  # noqa: E402
-from kernels.indexer import IndexerConfig, indexer_scores, indexer_scores_ref, indexer_topk, indexer_topk_ref  # noqa: E402
+from kernels.indexer import (  # noqa: E402
+    IndexerConfig, IndexerKeys, indexer_scores, indexer_scores_ref, indexer_topk, indexer_topk_ref,
+)
 from kernels.sparse_mla import SparseMLAConfig, sparse_mla, sparse_mla_ref  # noqa: E402
 
 DL, DR, DI = 256, 64, 64
@@ -59,10 +61,11 @@ def fill_mla(layout: KVLayout, pool: torch.Tensor, layer: int, gen: torch.Genera
     return view
 
 
-def fill_indexer(layout: KVLayout, pool: torch.Tensor, full_index: int, gen: torch.Generator) -> torch.Tensor:
+def fill_indexer(layout: KVLayout, pool: torch.Tensor, full_index: int, gen: torch.Generator) -> IndexerKeys:
     view = layout.indexer_layer_view(pool, full_index)
-    keys = torch.randn(view.shape[0] * view.shape[1], DI, generator=gen)
-    view.copy_(layout.encode_indexer(keys).view(view.shape))
+    pages, tokens = view.values.shape[:2]
+    slots = torch.arange(pages * tokens)
+    view.store(slots // tokens, slots % tokens, layout.encode_indexer(torch.randn(pages * tokens, DI, generator=gen)))
     return view
 
 
@@ -134,7 +137,7 @@ def _indexer_case(kv_format, dtype, seed, num_heads=4):
     layout = make_layout(kv_format)
     pool = make_pool(layout, gen)
     view = fill_indexer(layout, pool, 1, gen)
-    tokens = view.shape[1]
+    tokens = view.tokens_per_page
     max_pages = 3
     # Two requests with shuffled physical pages; request 1 has an extend chunk of three rows.
     table = torch.stack([torch.randperm(NUM_PAGES, generator=gen)[:max_pages] for _ in range(2)]).to(torch.int32)
@@ -154,7 +157,7 @@ def _indexer_case(kv_format, dtype, seed, num_heads=4):
 def test_indexer_matches_twin(kv_format, dtype, prefetch):
     view, q, w, table, r2r, ctx, lim = _indexer_case(kv_format, dtype, seed=11 + len(kv_format) + dtype.itemsize)
     kw = dict(kv_format=kv_format, scale=0.125, topk=48)
-    width = table.shape[1] * view.shape[1]
+    width = table.shape[1] * view.tokens_per_page
     scores = torch.full((q.shape[0], width), float("nan"))
     indexer_scores(q, w, view, table, r2r, ctx, lim, **kw, config=IndexerConfig(tiles=3, prefetch=prefetch), out=scores)
     ref = indexer_scores_ref(q, w, view, table, r2r, ctx, lim, **kw)
@@ -175,7 +178,7 @@ def test_indexer_matches_twin(kv_format, dtype, prefetch):
 
 def test_indexer_short_context_and_small_scores_buffer():
     view, q, w, table, r2r, ctx, lim = _indexer_case("fp8", torch.float32, seed=5)
-    tokens = view.shape[1]
+    tokens = view.tokens_per_page
     kw = dict(kv_format="fp8", scale=0.1, topk=tokens + 64, max_ctx=tokens)  # K larger than max_ctx
     got = indexer_topk(q, w, view, table, r2r, ctx, lim, **kw)
     assert got.positions.shape == (q.shape[0], tokens + 64)
@@ -194,3 +197,36 @@ def test_indexer_rejects_bad_inputs():
         indexer_topk(q, w, view, table, r2r, ctx, lim, kv_format="float32", **kw)
     with pytest.raises(ValueError):
         indexer_topk(q, w.double(), view, table, r2r, ctx, lim, kv_format="fp8", **kw)
+    with pytest.raises(ValueError, match="IndexerKeys"):
+        indexer_topk(q, w, view.values, table, r2r, ctx, lim, kv_format="fp8", **kw)
+    with pytest.raises(ValueError, match="scales"):
+        indexer_topk(q, w, IndexerKeys(view.values, None), table, r2r, ctx, lim, kv_format="fp8", **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_indexer_reads_fp8_values_and_scales_where_the_page_holds_them(dtype):
+    """FP8 keys written byte by byte where a full layer's block keeps them (token t's e4m3 values at
+    block + t * Di, its fp32 scale at block + T * Di + 4 t): kernel and twin score exactly those keys."""
+    gen = torch.Generator().manual_seed(23)
+    layout = make_layout("fp8")
+    pool = make_pool(layout, gen)
+    tokens, block = layout.indexer_tokens_per_page, layout.indexer_block_offset(1)
+    assert block == tokens * (DI + 4) and block % 16 == 0 and layout.page_bytes % 16 == 0
+    values = torch.randint(-6, 7, (NUM_PAGES, tokens, DI), generator=gen).float()  # exact in e4m3
+    scales = torch.rand(NUM_PAGES, tokens, generator=gen) + 0.5
+    pool[:, block : block + tokens * DI] = values.to(torch.float8_e4m3fn).view(torch.uint8).reshape(NUM_PAGES, -1)
+    scale_bytes = scales.contiguous().view(torch.uint8).reshape(NUM_PAGES, -1)
+    pool[:, block + tokens * DI : block + tokens * (DI + 4)] = scale_bytes
+    view = layout.indexer_layer_view(pool, 1)
+    table = torch.tensor([[4, 1, 3]], dtype=torch.int32)
+    ctx = torch.tensor([3 * tokens - 9, 2 * tokens + 1], dtype=torch.int32)
+    r2r, lim = torch.zeros(2, dtype=torch.int32), ctx.clone()
+    q = torch.randint(-2, 3, (2, 4, DI), generator=gen).to(dtype)
+    w = torch.randint(-4, 5, (2, 4), generator=gen) / 4
+    kw = dict(kv_format="fp8", scale=0.125, topk=16)
+    keys = (values * scales[..., None])[table[0].long()].reshape(-1, DI)  # the request's keys in position order
+    want = (torch.relu(torch.einsum("nhd,pd->nhp", q.float(), keys) * 0.125) * w[:, :, None]).sum(1)
+    want = want.masked_fill(torch.arange(keys.shape[0])[None, :] >= ctx[:, None], float("-inf"))
+    assert_close(indexer_scores_ref(q, w, view, table, r2r, ctx, lim, **kw), want, 1e-5)
+    assert_close(indexer_scores(q, w, view, table, r2r, ctx, lim, **kw, config=IndexerConfig(tiles=2)), want,
+                 TOL[dtype])

@@ -468,14 +468,40 @@ def test_pack_mla_rows_normalises_and_rotates(dtype, interleaved):
 
 @pytest.mark.parametrize("dim", [128, 32])
 def test_pack_indexer_rows_matches_twin(dim):
+    """Keys land as a full layer's block lays them out: every token's values at a `dim`-byte stride, then every
+    token's fp32 scale at a 4-byte stride; no other byte of the pool changes."""
     gen = torch.Generator().manual_seed(dim)
     n, tokens = 20, 2 * PAGE
     keys = tricky_latent(n, dim, gen).to(torch.bfloat16)
-    row = fp8_rows.indexer_row_bytes(dim)
-    pool = torch.full((3, 3 * tokens * row + 7), 0x5A, dtype=torch.uint8)
-    place = fp8_pack.RowPlacement(tokens, 2 * tokens * row, row)  # third full layer
+    key_bytes = fp8_rows.indexer_key_bytes(dim)
+    pool = torch.full((3, 3 * tokens * key_bytes + 7), 0x5A, dtype=torch.uint8)
+    start = 2 * tokens * key_bytes  # third full layer
+    place = fp8_pack.KeyPlacement(tokens, start, dim, start + tokens * dim, 4)
     slots = torch.randperm(3 * tokens, generator=gen)[:n].int()
     got, want = pool.clone(), pool.clone()
     fp8_pack.pack_indexer_rows_into(keys, got, slots, place)
     fp8_pack.pack_indexer_rows_into_reference(keys, want, slots, place)
     assert torch.equal(got, want)
+    expected = pool.clone()
+    packed = fp8_rows.pack_indexer_rows(keys)
+    for (page, token), key in zip(((s // tokens, s % tokens) for s in slots.tolist()), packed):
+        values, scale = start + token * dim, start + tokens * dim + 4 * token
+        assert values % 16 == 0
+        expected[page, values : values + dim] = key[:dim]
+        expected[page, scale : scale + 4] = key[dim:]
+    assert torch.equal(got, expected)
+
+
+def test_pack_indexer_rows_refuses_placements_that_do_not_fit():
+    keys = torch.randn(2, 32)
+    pool = torch.zeros((2, 64 * 36), dtype=torch.uint8)
+    slots = torch.tensor([0, 65])
+    fp8_pack.pack_indexer_rows_into_reference(keys, pool, slots, fp8_pack.KeyPlacement(64, 0, 32, 64 * 32, 4))
+    for place in (fp8_pack.KeyPlacement(64, 0, 32, 64 * 32 + 1, 4),  # last scale past the page
+                  fp8_pack.KeyPlacement(64, 0, 16, 64 * 32, 4),  # values overlap the next token's
+                  fp8_pack.KeyPlacement(64, 0, 32, 64 * 32, 2)):  # scales overlap
+        for pack in (fp8_pack.pack_indexer_rows_into, fp8_pack.pack_indexer_rows_into_reference):
+            with pytest.raises(ValueError, match="does not fit"):
+                pack(keys, pool, slots, place)
+    with pytest.raises(TypeError, match="KeyPlacement"):
+        fp8_pack.pack_indexer_rows_into(keys, pool, slots, fp8_pack.RowPlacement(64, 0, 36))
