@@ -60,6 +60,8 @@ log = run_log("fp8_gemm")
 
 
 def cfg_name(c: FP8GemmConfig) -> str:
+    if c.gemv:
+        return f"gemv n{c.block_n}k{c.gemv_block_k}w{c.num_warps}"
     return (f"m{c.block_m}n{c.block_n}s{c.split_k}w{c.num_warps}st{c.num_stages}"
             + ("t" if c.swap_ab else ""))
 
@@ -76,10 +78,19 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[FP8GemmConfig]:
             c = FP8GemmConfig(block_m=bm, block_n=bn, split_k=split, swap_ab=swap, num_warps=4, num_stages=4)
             if c not in out:
                 out.append(c)
+    if m == 1:  # one token: GEMV tiles (rows per program, columns per unrolled K tile, warps)
+        for bn in (4, 8, 16):
+            for bk in (512, 1024, 2048):
+                for warps in (4, 8):
+                    c = FP8GemmConfig(block_m=16, block_n=bn, gemv=True, gemv_block_k=bk, num_warps=warps)
+                    if c not in out:
+                        out.append(c)
     return out
 
 
 def variants(best: FP8GemmConfig, k: int) -> list[FP8GemmConfig]:
+    if best.gemv:  # the GEMV's tiles were all candidates already
+        return [best]
     kb = triton.cdiv(k, 128)
     out = [best]
     for split in {1, max(1, best.split_k // 2), min(kb, best.split_k * 2)} - {best.split_k}:
@@ -88,8 +99,6 @@ def variants(best: FP8GemmConfig, k: int) -> list[FP8GemmConfig]:
         out.append(dataclasses.replace(best, num_stages=stages))
     out.append(dataclasses.replace(best, num_warps=8 if best.num_warps == 4 else 4))
     return out
-
-
 
 
 def run_shape(name: str, n: int, k: int, ms_list, hbm: float, sms: int, sweep: bool, rows: list) -> None:

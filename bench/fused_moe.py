@@ -50,14 +50,6 @@ WDTYPE = {False: torch.bfloat16, True: torch.float8_e4m3fn}
 log = run_log("fused_moe")
 
 
-
-
-
-
-
-
-
-
 def make_layer(fmt: str, seed: int) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=gen) * H**-0.5).to(torch.bfloat16)
@@ -103,6 +95,8 @@ def old_loop(x: torch.Tensor, w: dict, weights: torch.Tensor, ids: torch.Tensor)
 
 
 def cfg_name(c: FusedMoEConfig) -> str:
+    if c.gemv:
+        return f"gemv n{c.block_n}k{c.block_k}w{c.num_warps}/n{c.block_n_down}k{c.block_k_down}w{c.num_warps_down}"
     return (f"m{c.block_m}n{c.block_n}k{c.block_k}w{c.num_warps}s{c.num_stages}"
             f"/n{c.block_n_down}k{c.block_k_down}w{c.num_warps_down}s{c.num_stages_down}" + ("t" if c.swap_ab else "")
             + (f"/split{c.split_k}" if c.split_k > 1 else ""))
@@ -130,10 +124,20 @@ def candidates(t: int, fp8: bool) -> list[FusedMoEConfig]:
                         out.append(c)
     if t * K >= 4 * E:
         out.append(FusedMoEConfig(block_m=32, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3))
+    if t <= 2 and fp8:  # a token or two: the GEMV form's tiles (gate/up rows and columns, down columns)
+        for bn, bk, warps in ((4, 2048, 4), (8, 2048, 8), (8, 1024, 4), (8, 512, 4), (2, 2048, 4), (4, 1024, 4)):
+            for bnd in (8, 16, 32):
+                c = FusedMoEConfig(gemv=True, block_n=bn, block_k=bk, num_warps=warps, block_n_down=bnd,
+                                   block_k_down=256)
+                if c not in out:
+                    out.append(c)
     return out
 
 
 def variants(best: FusedMoEConfig, fp8: bool) -> list[FusedMoEConfig]:
+    if best.gemv:  # no pipeline stages to vary; the other warp count for each launch
+        rep = dataclasses.replace
+        return [best, rep(best, num_warps=12 - best.num_warps), rep(best, num_warps_down=12 - best.num_warps_down)]
     out = [best]
     rep = dataclasses.replace
     for stages in (3, 5, 6, 8):
@@ -144,8 +148,6 @@ def variants(best: FusedMoEConfig, fp8: bool) -> list[FusedMoEConfig]:
     if not fp8:
         out += [rep(best, block_k=64, block_k_down=64), rep(best, block_k=256, num_stages=3)]
     return [c for i, c in enumerate(out) if c not in out[:i]]
-
-
 
 
 def run_format(fmt: str, tokens, hbm: float, sweep: bool, rows: list) -> None:
