@@ -1,7 +1,10 @@
 """Decode step time against its HBM floor, at one rank's share of GLM-5.3 (tensor parallel 8).
 
-One rank's shapes: 8 of 64 heads, dense and expert columns cut by 8 (expert width 256), 256 routed
-experts top-8 plus the shared one, q_lora, the latent path and the indexer replicated, FP8 KV rows,
+One rank's shapes: 8 of 64 heads, dense and expert columns cut by 8 (expert width 256), lm_head's
+vocabulary rows cut by 8 (the ranks' gather of the logits is added to the 78-layer step: an
+all-reduce's latency plus B x 154880 x 4 bytes at `--gather-gbs`; a token is sampled from the rank's
+19,360 logits), 256 routed experts top-8 plus the
+shared one, q_lora, the latent path and the indexer replicated, FP8 KV rows,
 one full indexer layer per four (GLM-5.3: 21 of 78), every layer MoE. Random weights, bf16 or FP8.
 For each weight format, two depths (4 and 8 layers) separate the per-layer time from the per-step
 fixed cost (scheduling, sampling, output): per layer = (t8 - t4) / 4, fixed = t4 - 4 x per layer.
@@ -23,7 +26,8 @@ The floor of one layer of one step is the bytes it must read from HBM: the weigh
 (attention, the indexer's on full layers, the router, and every distinct expert the batch routes to,
 counted from the router's choices in an untimed step), the selected MLA rows (B x min(K, ctx) x 656 B)
 and, on full layers, every cached indexer key (B x ctx x 132 B); divided by the HBM copy bandwidth
-measured in the same run. The 78-layer step adds two all-reduces per layer (`--allreduce-us`).
+measured in the same run. The 78-layer step adds two all-reduces per layer (`--allreduce-us`) and the
+logits' gather.
 A flop floor (2 x weights touched per token, attention products) at the dense peak measured in the
 same run is printed beside it. Usage: python bench/step.py [--contexts 8192 65536] [--batches 1 8 ...]
 """
@@ -59,6 +63,7 @@ from engine.tiny import FP8_QUANTIZATION, TINY_CONFIG  # noqa: E402
 
 logger = logging.getLogger("bench.step")
 TP = 8
+VOCAB = 154880  # GLM-5.3's, split TP ways by lm_head
 MLA_ROW_BYTES, INDEXER_ROW_BYTES = 656, 132
 
 
@@ -70,7 +75,7 @@ def rank_config(layers: int, fp8: bool) -> dict:
         num_hidden_layers=layers, num_attention_heads=64 // TP, num_key_value_heads=64 // TP, q_lora_rank=2048,
         kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, index_n_heads=32,
         index_head_dim=128, index_topk=2048, indexer_types=pattern, n_routed_experts=256, num_experts_per_tok=8,
-        n_group=1, topk_group=1, first_k_dense_replace=0, max_position_embeddings=1 << 20, vocab_size=154880,
+        n_group=1, topk_group=1, first_k_dense_replace=0, max_position_embeddings=1 << 20, vocab_size=VOCAB // TP,
         torch_dtype="bfloat16", eos_token_id=[],
     )
     if fp8:
@@ -253,6 +258,9 @@ def main() -> None:
     parser.add_argument("--pool-gib", type=float, default=60.0, help="KV pool of the engine")
     parser.add_argument("--allreduce-us", type=float, default=10.0,
                         help="one TP8 all-reduce of a decode batch's hidden states, for the 78-layer estimate")
+    parser.add_argument("--gather-gbs", type=float, default=300.0,
+                        help="NVLink bandwidth of the TP8 gather of a decode batch's logits (B x 154880 float32), "
+                             "for the 78-layer estimate")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON lines here")
     parser.add_argument("--profile", type=Path, default=None,
                         help="folder for a torch.profiler table per depth, context and profiled batch size")
@@ -277,7 +285,8 @@ def main() -> None:
             device_layer = (deep_m.device_ms - shallow_m.device_ms) / (deep - shallow)
             bytes_ms, flops_ms = layer_floor(cfg, fmt, batch, ctx, deep_m.experts_per_layer, gbs, tflops)
             floor = max(bytes_ms, flops_ms)
-            full_step = fixed + 78 * (per_layer + 2 * args.allreduce_us / 1e3)
+            gather = args.allreduce_us / 1e3 + batch * VOCAB * 4 * (TP - 1) / TP / (args.gather_gbs * 1e6)
+            full_step = fixed + gather + 78 * (per_layer + 2 * args.allreduce_us / 1e3)
             rows.append(dict(weights=name, mode=mode, ctx=ctx, B=batch, t_shallow_ms=shallow_m.step_ms,
                              t_deep_ms=deep_m.step_ms, per_layer_ms=per_layer, fixed_ms=fixed,
                              device_layer_ms=device_layer, x_floor_device=device_layer / floor,

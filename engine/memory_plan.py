@@ -96,7 +96,8 @@ def weight_bytes(cfg: ModelConfig, tp_size: int, fmt: WeightFormat, dtype: torch
     d = torch.finfo(dtype).bits // 8
     h = cfg.hidden_size
     heads = cfg.num_attention_heads // tp_size
-    total = 2 * cfg.vocab_size * h * d + h * d + cfg.qk_rope_head_dim // 2 * 4  # embedding, lm_head, norm, rope
+    total = (cfg.vocab_size + cfg.vocab_size // tp_size) * h * d  # embedding (replicated), lm_head (split)
+    total += h * d + cfg.qk_rope_head_dim // 2 * 4  # final norm, rotary frequencies
     for layer in range(cfg.num_hidden_layers):
         total += 2 * h * d + attention_weight_bytes(cfg, heads, fmt, d)
         if cfg.indexer_types[layer] == "full":

@@ -6,8 +6,8 @@ so weights load by name. Layers beyond `num_hidden_layers` (the MTP head) are
 not built.
 
 Tensor parallelism (engine/tp/sharding.py) adds exactly two all-reduces
-per decoder layer: after attention and after the MLP block. Every rank runs
-the layers; only the rank that returns logits needs `lm_head`.
+per decoder layer, after attention and after the MLP block, and one gather of
+the logits, whose vocabulary rows `lm_head` splits across the ranks.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self.tp = tp or TensorParallel()
         self.weight_format = fmt
         self.model = Backbone(cfg, self.tp, fmt)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.tp.local(cfg.vocab_size, "vocab_size"), bias=False)
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta)
 
     def hold_float32_parts(self) -> None:
@@ -111,8 +111,9 @@ class GlmMoeDsaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [S, V] of final hidden states [S, hidden]."""
-        return self.lm_head(hidden).float()
+        """float32 logits [S, V] of final hidden states [S, hidden]: each rank's rows of the vocabulary, then
+        gathered, so every rank holds all of them."""
+        return self.tp.all_gather_columns(self.lm_head(hidden).float())
 
     @torch.inference_mode()
     def hidden_states(

@@ -182,7 +182,7 @@ def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) ->
         for stored in iter_checkpoint(Path(model_dir), cfg, model.tp):
             seen.update(_place(stored, tensors, slots, dtype))
         if cfg.tie_word_embeddings and "lm_head.weight" not in seen:
-            tensors["lm_head.weight"].copy_(tensors["model.embed_tokens.weight"])
+            tensors["lm_head.weight"].copy_(model.tp.shard(tensors["model.embed_tokens.weight"], 0))
             seen.add("lm_head.weight")
     missing = [n for n in slots if n not in seen]
     if missing:

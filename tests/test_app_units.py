@@ -52,7 +52,7 @@ def _args(name: str) -> dict:
 SHIPPED = sorted(p.name for p in CONFIGS.glob("*.yaml"))
 CHECKPOINT_CONFIGS = ["glm53.yaml", "glm53-pd.yaml"]
 # The GPU configs: layers of GLM-5.3 each serves, and the tensor-parallel size that splits them.
-GPU_CONFIGS = {"h200.yaml": (14, 1), "h200-pd.yaml": (14, 1), "h200-tp2.yaml": (23, 2)}
+GPU_CONFIGS = {"h200.yaml": (14, 1), "h200-pd.yaml": (14, 1), "h200-tp2.yaml": (24, 2)}
 H200_HBM_BYTES = int(150.1e9)  # what torch.cuda.mem_get_info reports on an H200
 GLM53_ARCHITECTURE = CONFIGS / "models" / "glm-5.3" / "config.json"
 

@@ -10,8 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.weights import FP8_BLOCK, dequantize_fp8_block
+from engine.linear import WeightFormat
+from engine.model import build_model
+from engine.model_config import ModelConfig
+from engine.tp.tensor_parallel import TensorParallel
+from engine.weights import FP8_BLOCK, dequantize_fp8_block, load_weights
 from tests.helpers import LogitsRecorder, greedy, make_engine
+
+_DENSE = WeightFormat()
 
 
 def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,3 +114,25 @@ def test_missing_and_mismatched_tensors_fail_clearly(tiny_dir: Path, tmp_path: P
         make_engine(broken)
     with pytest.raises(FileNotFoundError):
         make_engine(tmp_path / "nowhere")
+
+
+def test_tied_lm_head_takes_each_ranks_rows_of_the_embedding(tiny_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint with tied embeddings and no lm_head tensor: each tensor-parallel rank's lm_head holds its
+    vocabulary rows of the embedding, and the ranks' logits side by side are the single rank's."""
+    tied = tmp_path / "tied"
+    _rewrite_shards(tiny_dir, tied, lambda t: {k: v for k, v in t.items() if "lm_head" not in k})
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=True)))
+    cfg = ModelConfig.from_dir(tied)
+    hidden = torch.randn(3, cfg.hidden_size)
+    whole = build_model(cfg, TensorParallel(), _DENSE, torch.float32, torch.device("cpu"))
+    load_weights(whole, tied, torch.float32)
+    assert torch.equal(whole.lm_head.weight, whole.model.embed_tokens.weight)
+    parts = []
+    for rank in range(2):
+        model = build_model(cfg, TensorParallel(rank, 2), _DENSE, torch.float32, torch.device("cpu"))
+        load_weights(model, tied, torch.float32)
+        rows = cfg.vocab_size // 2
+        assert torch.equal(model.lm_head.weight, whole.model.embed_tokens.weight[rank * rows:(rank + 1) * rows])
+        parts.append(model.lm_head(hidden))
+    torch.testing.assert_close(torch.cat(parts, dim=1), whole.logits(hidden))

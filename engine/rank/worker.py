@@ -4,8 +4,8 @@ The same class serves every executor: in the engine's own process when the
 replica has one rank, in a worker process or a Ray actor otherwise. A rank
 does what the driver tells it, in the order it was told: build the pool, map
 the host pool, run forward steps, copy pages, open and close hot leases. Every
-rank computes the logits (lm_head is replicated) and samples the same tokens
-from the same hidden states, so each rank holds the step's ids on its device
+rank computes its vocabulary rows' logits, gathers all of them (lm_head is
+split by vocabulary) and samples the same tokens from the same logits, so each rank holds the step's ids on its device
 for the next step's inputs; rank 0's are read back. Decode steps run through
 the rank's persistent buffers and, on a GPU, as captured CUDA graphs
 (engine/rank/decode_graphs.py); other steps, and every step under

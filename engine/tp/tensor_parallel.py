@@ -1,8 +1,9 @@
-"""A rank's place in its tensor-parallel group, and the group's one collective.
+"""A rank's place in its tensor-parallel group, and the group's two collectives.
 
 Model modules take a `TensorParallel` when they are built: it says how many
 attention heads and MLP features this rank holds, cuts full tensors down to the
-rank's part and sums the partial outputs of the ranks. The group is the
+rank's part, sums the partial outputs of the ranks and gathers the vocabulary
+split's logits. The group is the
 default `torch.distributed` process group of a worker process (one replica per
 process group). A size-1 group does nothing at all, so the single-rank model is
 exactly the plain model.
@@ -14,6 +15,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+# Gathers every rank's tensor into one, rank order along dim 0 (named all_gather_single from torch 2.13 on).
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,15 @@ class TensorParallel:
         """This rank's contiguous block of `tensor` along `dim`."""
         n = self.local(tensor.shape[dim], f"size of dim {dim}")
         return tensor.narrow(dim, self.rank * n, n)
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """[S, n] on every rank -> [S, size * n], rank r's columns at r * n (a vocabulary split's logits);
+        every rank receives the whole."""
+        if self.size == 1:
+            return x
+        parts = torch.empty((self.size * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+        _gather_into(parts, x.contiguous())  # one collective into one buffer: capturable in a CUDA graph
+        return parts.view(self.size, *x.shape).permute(1, 0, 2).reshape(x.shape[0], -1)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums the ranks' partial results in place. Every rank receives the same bytes, which keeps
