@@ -147,8 +147,9 @@ def _narrow(lo, hi, probe, enough):
 
 @triton.jit
 def _pick_victims(key, cand, offs_r, lo, at_quota, num_at, num_victims, num_served, victims):
-    """Writes the run's victims (keys below the threshold `lo`, and the first `at_quota` of the batch's keys
-    equal to it, by slot index) after the `num_victims` found before; returns the updated counts."""
+    """Writes the run's victims (keys below the threshold `lo`, and keys equal to it by slot index while fewer
+    than `at_quota` of those have been taken, `num_at` in earlier runs) after the `num_victims` found before;
+    returns the updated counts."""
     at = cand & (key == lo)
     at_rank = num_at + tl.cumsum(at.to(tl.int32), 0) - 1
     victim = (cand & (key < lo)) | (at & (at_rank < at_quota))
