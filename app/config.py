@@ -35,6 +35,7 @@ from engine.tiny import make_tiny, shaped_config, write_architecture
 from residency.config import HiSparseConfig
 
 logger = logging.getLogger(__name__)
+_ARCHITECTURE_DIR_FORMAT = 2  # bumped when write_architecture writes a folder differently
 
 
 class ConfigError(ValueError):
@@ -362,7 +363,10 @@ class AppConfig(_Section):
             raw = shaped_config(architecture, self.model.overrides)
         except ValueError as exc:
             raise ConfigError(f"model.overrides: {exc}") from None
-        digest = hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:16]
+        # The directory's format is hashed too: a folder written before its tokenizer covered the whole
+        # vocabulary is never read again.
+        content = {"config": raw, "format": _ARCHITECTURE_DIR_FORMAT}
+        digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
         out = Path(tempfile.gettempdir()) / "hisparse-models" / f"{raw.get('model_type', 'model')}-{digest}"
         if not (out / "config.json").is_file():
             try:

@@ -119,10 +119,11 @@ def shaped_config(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, A
     return shaped
 
 
-def _with_tokenizer(out: Path, raw: dict[str, Any]) -> dict[str, Any]:
+def _with_tokenizer(out: Path, raw: dict[str, Any], cover_vocab: bool = False) -> dict[str, Any]:
     """Writes the tiny tokenizer to `out`; returns `raw` with a vocabulary that covers it (the tokenizer's
-    size rounded up to 64 unless `raw` has one) and the tokenizer's end and pad ids."""
-    tokenizer_size = write_tiny_tokenizer(out)
+    size rounded up to 64 unless `raw` has one) and the tokenizer's end and pad ids. `cover_vocab`: the
+    tokenizer gets an added token for every id of `raw`'s vocabulary (`write_tiny_tokenizer`)."""
+    tokenizer_size = write_tiny_tokenizer(out, raw.get("vocab_size") if cover_vocab else None)
     raw = {"vocab_size": -(-tokenizer_size // 64) * 64, **raw}
     if raw["vocab_size"] < tokenizer_size:
         raise ValueError(f"vocab_size {raw['vocab_size']} is below the tokenizer's {tokenizer_size} ids")
@@ -134,10 +135,11 @@ def _with_tokenizer(out: Path, raw: dict[str, Any]) -> dict[str, Any]:
 
 def write_architecture(out: str | Path, raw: dict[str, Any]) -> Path:
     """Writes a model directory without weights: `raw` as config.json (end ids from the tokenizer) and the
-    tiny tokenizer, for an engine with `random_weights`. Raises `ValueError` for a config the engine refuses."""
+    tiny tokenizer covering `raw`'s whole vocabulary (so every sampled id has text), for an engine with
+    `random_weights`. Raises `ValueError` for a config the engine refuses."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    raw = _with_tokenizer(out, raw)
+    raw = _with_tokenizer(out, raw, cover_vocab=True)
     try:
         ModelConfig.from_dict(raw)
     except KeyError as exc:

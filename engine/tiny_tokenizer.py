@@ -166,15 +166,21 @@ def build_tiny_backend() -> Tokenizer:
     return backend
 
 
-def write_tiny_tokenizer(out_dir: Path) -> int:
+def write_tiny_tokenizer(out_dir: Path, cover_vocab: int | None = None) -> int:
     """Write the tokenizer, its config, chat template and stop tokens into `out_dir`.
 
     Returns the number of token ids in use (byte tokens, merges and added tokens); the tiny
-    model's `vocab_size` must be at least this, and may be padded above it.
+    model's `vocab_size` must be at least this, and may be padded above it. With `cover_vocab`, every
+    id from the tokenizer's own up to that vocabulary size is an added token `<|id|>`: a random-weight
+    model of a real vocabulary (154,880 ids against about 400) then streams visible text for any id it
+    samples, and that text encodes back to the same ids (a conversation's next turn hits the cache).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     backend = build_tiny_backend()
+    if cover_vocab is not None:
+        first = backend.get_vocab_size(with_added_tokens=True)
+        backend.add_tokens([AddedToken(f"<|{i}|>", special=False, normalized=False) for i in range(first, cover_vocab)])
     backend.save(str(out_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -222,6 +222,9 @@ def test_tiny_architecture_serves_random_weights_on_cpu(tiny_dir: Path, tmp_path
         assert len(prompt) > 16
         [out] = engine.generate([prompt], [SamplingParams(max_tokens=4, ignore_eos=True)])
         assert len(out.token_ids) == 4 and all(0 <= t < cfg.vocab_size for t in out.token_ids)
+        assert out.text  # every id of the vocabulary has text (padded ids too), so a stream shows its tokens
+        padded = list(range(cfg.vocab_size - 3, cfg.vocab_size))
+        assert engine.tokenizer.encode(engine.tokenizer.decode(padded)) == padded
         # Random, not the checkpoint beside the architecture: the tiny checkpoint's own weights answer otherwise.
         embedding = engine.executor.worker.model.model.embed_tokens.weight  # the checkpoint's std is 0.08
         assert embedding.std().item() == pytest.approx(0.02, rel=0.05)
