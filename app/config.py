@@ -7,10 +7,8 @@ architecture (`model.architecture` plus `overrides`) served with seeded random
 weights; the second needs `random_weights: true` said explicitly, so a production
 config naming a checkpoint never falls back to random numbers.
 Unknown fields are refused with their path and the names allowed there, so a typo
-never falls back to a default in silence. Engine fields this engine does not have
-yet (speculative decoding) are accepted and documented;
-`engine_config` passes only the fields `EngineConfig` has and logs the others as
-not applied.
+never falls back to a default in silence. `engine_config` passes only the fields
+`EngineConfig` has and logs any others as not applied.
 """
 
 from __future__ import annotations

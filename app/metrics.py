@@ -5,7 +5,8 @@ counters gain `_total`), labelled `model_name`; Ray adds `WorkerId`, which the
 dashboard joins to deployment and replica. Our own `hisparse_*` figures carry a
 `role` label (prefill or decode): GPU and host page use, requests per residency
 state, hot-buffer hits and misses, rows and bytes loaded from host, mirroring,
-preemptions, swaps and the prefill/decode transfer. One `ReplicaMetrics` per replica: gauges are
+preemptions, swaps and the prefill/decode transfer; speculative decoding's drafts and
+accepted tokens under vLLM's `spec_decode` names. One `ReplicaMetrics` per replica: gauges are
 refreshed from the engine's stats by the replica's periodic task, counters the
 engine keeps as running totals advance by their deltas, and per-request figures
 are recorded when a request ends.
@@ -36,6 +37,9 @@ _TOTALS = {
     "pages_demoted": ("hisparse_pages_demoted", "GPU pages freed by demotion (host copy kept)."),
     "pages_promoted": ("hisparse_pages_promoted", "Pages moved back to the GPU."),
     "mirror_skipped_host_full": ("hisparse_mirror_skipped_host_full", "Mirrors skipped: host pool full."),
+    "spec_decode_num_drafts": ("vllm_spec_decode_num_drafts", "Requests' verifications of MTP drafts."),
+    "spec_decode_num_draft_tokens": ("vllm_spec_decode_num_draft_tokens", "Draft tokens verified."),
+    "spec_decode_num_accepted_tokens": ("vllm_spec_decode_num_accepted_tokens", "Draft tokens accepted."),
 }
 # Engine stats that are levels -> the gauge each sets.
 _LEVELS = {
@@ -49,6 +53,8 @@ _LEVELS = {
     "mirror_backlog": ("hisparse_mirror_backlog", "Completed pages whose host copy is still in flight."),
     "host_pages_in_use": ("hisparse_host_pages_in_use", "Host pages held by requests."),
     "host_pages_cached": ("hisparse_host_pages_cached", "Host pages kept only by the host prefix cache."),
+    "spec_decode_mean_acceptance_length": (
+        "hisparse_spec_decode_mean_acceptance_length", "Tokens a verifying step yields per request, on average."),
 }
 RESIDENCY_STATES = ("full", "mixed", "none", "waiting", "swapped")
 

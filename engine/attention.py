@@ -99,7 +99,10 @@ def fuses_latent_projections(cfg: ModelConfig, fmt: WeightFormat) -> bool:
 class MLAAttention(nn.Module):
     """Multi-head latent attention over the slots chosen by the indexer."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel, fmt: WeightFormat = WeightFormat()) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel, fmt: WeightFormat = WeightFormat(),
+                 full: bool | None = None) -> None:
+        """`full`: whether the layer has its own indexer; by default as `indexer_types` says (an MTP layer,
+        past them, shares its group's selection and passes False)."""
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.num_heads = h = tp.local(cfg.num_attention_heads, "num_attention_heads")  # this rank's heads
@@ -117,7 +120,8 @@ class MLAAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = make_linear(h * cfg.v_head_dim, cfg.hidden_size, fmt.is_fp8("o_proj"))
-        self.indexer = Indexer(cfg, fmt) if cfg.indexer_types[layer] == "full" else None
+        full = cfg.indexer_types[layer] == "full" if full is None else full
+        self.indexer = Indexer(cfg, fmt) if full else None
         self.scale = cfg.qk_head_dim**-0.5
 
     def forward(self, x: torch.Tensor, ctx: StepContext, shared: Selection | None,

@@ -53,6 +53,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="run decode steps eagerly: no persistent buffers, no CUDA graphs")
     p.add_argument("--no-async-scheduling", action="store_true",
                    help="read each step's tokens before scheduling the next (no host/device overlap)")
+    p.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="draft tokens a step from the model's MTP layer (speculative decoding); 0 = off")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -78,6 +80,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         executor=args.executor,
         enforce_eager=args.enforce_eager,
         async_scheduling=not args.no_async_scheduling,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
 
 

@@ -53,6 +53,10 @@ class EngineConfig:
     # launching N+1 (inputs the host has not read come from the device). A request that stops at N has
     # one discarded row in N+1. Off: every step is read back before the next is scheduled.
     async_scheduling: bool = True
+    # Draft tokens a step from the model's MTP layer (engine/mtp.py), verified by the next step's target
+    # forward (engine/speculative.py); 0 = off. Steps then run one after another (async scheduling is
+    # off while drafting: the next step's rows depend on how many drafts this one accepted).
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -67,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be auto, fp8 or none, got {self.quantization!r}")
         if self.quantization == "fp8" and self.dtype == "float32":
             raise ValueError("quantization fp8 needs dtype bfloat16 (float32 is the unquantised reference mode)")
+        if self.num_speculative_tokens < 0:
+            raise ValueError("num_speculative_tokens must be non-negative")
         if self.executor not in ("mp", "ray"):
             raise ValueError(f"executor must be mp or ray, got {self.executor!r}")
 

@@ -176,6 +176,26 @@ class KVCacheManager:
         req.indexer_pages += self.cache.allocate(idx, PageUse.INDEXER)
         return True
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Releases `req`'s pages past those `num_tokens` tokens need: a speculative step took pages for
+        drafts the target rejected. They hold only rejected rows, so none has a host copy or a prefix-cache
+        entry (both cover computed rows only). The ranks' page tables are sent again from the first released
+        page (a page taken later in its place is another page)."""
+        keep_mla = _ceil_div(num_tokens, self.page_size)
+        keep_idx = _ceil_div(num_tokens, self.indexer_page_tokens)
+        if len(req.mla_pages) > keep_mla:
+            req.pages_changed_at(keep_mla)
+        if len(req.indexer_pages) > keep_idx:
+            req.pages_changed_at(0)  # the page tables' change marks count MLA pages: 0 also covers the indexer's
+        for pages, host, keep in ((req.mla_pages, req.host_pages, keep_mla),
+                                  (req.indexer_pages, req.host_indexer_pages, keep_idx)):
+            if any(p is not None for p in host[keep:]):
+                raise RuntimeError(f"request {req.request_id}: a page past its {num_tokens} tokens has a host copy")
+            del host[keep:]
+            for page in reversed(pages[keep:]):
+                self.cache.release(page)
+            del pages[keep:]
+
     def cache_full_pages(self, req: Request) -> None:
         """Hashes the pages of `req` whose tokens are all computed and registers them for reuse.
 

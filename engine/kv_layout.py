@@ -59,9 +59,15 @@ class KVLayout:
     page_size: int = PAGE_SIZE
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, kv_format: KVFormat, page_size: int = PAGE_SIZE) -> "KVLayout":
-        layer_group, layer_pos = [0] * cfg.num_hidden_layers, [0] * cfg.num_hidden_layers
-        for g, members in enumerate(cfg.groups):
+    def for_model(cls, cfg: ModelConfig, kv_format: KVFormat, page_size: int = PAGE_SIZE,
+                  draft_layers: int = 0) -> "KVLayout":
+        """`draft_layers`: MTP layers (engine/mtp.py) whose rows the pages hold too, as members of the last
+        IndexShare group (they attend over its selection, so a miss brings their rows with the group's)."""
+        num_layers = cfg.num_hidden_layers + draft_layers
+        groups = [list(g) for g in cfg.groups]
+        groups[-1] += range(cfg.num_hidden_layers, num_layers)
+        layer_group, layer_pos = [0] * num_layers, [0] * num_layers
+        for g, members in enumerate(groups):
             for j, layer in enumerate(members):
                 layer_group[layer], layer_pos[layer] = g, j
         return cls(
@@ -69,7 +75,7 @@ class KVLayout:
             latent_dim=cfg.kv_lora_rank,
             rope_dim=cfg.qk_rope_head_dim,
             index_dim=cfg.index_head_dim,
-            group_sizes=tuple(len(g) for g in cfg.groups),
+            group_sizes=tuple(len(g) for g in groups),
             layer_group=tuple(layer_group),
             layer_pos=tuple(layer_pos),
             num_full_layers=len(cfg.groups),

@@ -23,7 +23,7 @@ from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations, fp8_block_linear, fp8_bl
 # Projections that stay plain even in an FP8 model: kv_b_proj is used in its absorbed form (its key and
 # value halves multiply queries and outputs per head), the indexer's head weights and the router are
 # float32 as published, and the embedding and lm_head are bf16 in the published checkpoints.
-_PLAIN = re.compile(r"(kv_b_proj|weights_proj|\.gate|embed_tokens|lm_head)$")
+_PLAIN = re.compile(r"(kv_b_proj|weights_proj|\.gate|embed_tokens|lm_head|eh_proj)$")
 
 
 @dataclass(frozen=True)

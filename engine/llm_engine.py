@@ -37,6 +37,7 @@ from engine.rank.worker import WorkerSpec
 from engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from engine.sampler import SamplingBatch
 from engine.scheduler import Scheduler, SchedulerConfig
+from engine.speculative import SpecDecodeStats
 from engine.tokenizer import Tokenizer
 from engine.tp.sharding import check_shardable
 from residency.config import HiSparseConfig
@@ -83,7 +84,11 @@ class LLMEngine:
         has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.layout = KVLayout.for_model(self.model_config, config.kv_format)
+        self.num_speculative_tokens = config.num_speculative_tokens
+        if self.num_speculative_tokens and self.model_config.num_nextn_predict_layers < 1:
+            raise ValueError("num_speculative_tokens needs a model with an MTP layer (num_nextn_predict_layers)")
+        draft_layers = 1 if self.num_speculative_tokens else 0
+        self.layout = KVLayout.for_model(self.model_config, config.kv_format, draft_layers=draft_layers)
         self.device = torch.device(config.device)
         weight_format = config.weight_format(self.model_config.fp8_block_checkpoint)
         check_shardable(self.model_config, config.tensor_parallel_size, weight_format.kind == "fp8")
@@ -96,6 +101,7 @@ class LLMEngine:
             random_seed=config.seed if config.random_weights else None,
             weight_format=weight_format,
             graphs=GraphConfig(config.enforce_eager, config.max_num_seqs, self.max_model_len),
+            num_speculative_tokens=self.num_speculative_tokens,
         )
         self.executor = make_executor(spec, config.executor, self.device)
         try:
@@ -106,7 +112,7 @@ class LLMEngine:
 
     def _build(self, config: EngineConfig) -> None:
         """The driver's state around the ranks: pool accounting, residency, scheduler."""
-        self.runner = ModelRunner(self.executor, self.layout)
+        self.runner = ModelRunner(self.executor, self.layout, self.num_speculative_tokens)
         num_pages = config.num_gpu_pages or self._plan_gpu_pages()
         self.executor.init_kv_pool(num_pages)
         self.kv = KVCacheManager(self.layout, num_pages, config.enable_prefix_cache)
@@ -122,6 +128,8 @@ class LLMEngine:
         self._text: dict[str, _TextState] = {}
         self._seed_counter = config.seed
         self.num_steps = 0
+        self.spec_stats = SpecDecodeStats()
+        self._replayed_drafts: dict[str, list[int]] = {}  # request id -> the output its drafts are read from
         self._in_flight: tuple[PendingOutput, list[Request]] | None = None  # launched, outputs not yet read
 
     def _plan_gpu_pages(self) -> int:
@@ -202,6 +210,7 @@ class LLMEngine:
         """Ends a request in any state and frees its pages; False if it is unknown or already done."""
         req = self._requests.pop(request_id, None)
         self._text.pop(request_id, None)
+        self._replayed_drafts.pop(request_id, None)
         if req is None or req.is_finished:
             return False
         self.scheduler.finish(req, FinishReason.ABORT)
@@ -218,6 +227,8 @@ class LLMEngine:
         """Schedules and launches one step, and returns the outputs of the step launched before it
         (`async_scheduling`: the host prepares a step while the device runs the previous one) or of this
         one. A request the previous step finished may already be in this step: its row is discarded."""
+        if self.num_speculative_tokens:
+            return self._speculative_step()
         out = self.scheduler.schedule()
         launched = None
         if out.scheduled:
@@ -248,6 +259,70 @@ class LLMEngine:
             req.num_pending_tokens -= 1
             outputs.append(self._complete(req, token))
         return outputs
+
+    def _speculative_step(self) -> list[RequestOutput]:
+        """One step that verifies every completing request's drafts and proposes its next ones
+        (engine/rank/speculative.py). Steps run one after another: which rows the next step computes
+        depends on how many drafts this one accepted."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        completing = [s for s in out.scheduled if s.completes]
+        params, seeds, positions = [], [], []
+        for s in completing:  # row j of a request samples its output position as decoding one token a step would
+            req = s.request
+            rows = 1 + s.num_drafts
+            params += [req.params] * rows
+            seeds += [self._text[req.request_id].seed] * rows
+            positions += range(req.num_output_positions, req.num_output_positions + rows)
+        sampling = SamplingBatch.build(params, seeds, positions, self.model_config.vocab_size)
+        result = self.runner.collect(self.runner.launch(out.scheduled, sampling))
+        self.num_steps += 1
+        k = self.num_speculative_tokens
+        sampled, accepted_counts = result[: len(params)], result[len(params) : len(params) + len(completing)]
+        proposals = result[len(params) + len(completing) :]
+        outputs: list[RequestOutput] = []
+        rejected: dict[str, int] = {}
+        start = 0
+        for i, s in enumerate(completing):
+            req, drafts, accepted = s.request, s.num_drafts, accepted_counts[i]
+            tokens = sampled[start : start + accepted + 1]
+            start += drafts + 1
+            self.spec_stats.record(drafts, accepted)
+            rejected[req.request_id] = drafts - accepted
+            for token in tokens:
+                outputs.append(self._complete(req, token))
+                if req.is_finished:
+                    break
+            limit = self._draft_limit(req)
+            replayed = self._replayed_drafts.get(req.request_id)
+            if req.is_finished:
+                req.draft_token_ids = []
+                self._replayed_drafts.pop(req.request_id, None)
+            elif replayed is not None:
+                done = len(req.output_token_ids)
+                req.draft_token_ids = replayed[done : done + limit]
+            else:
+                req.draft_token_ids = proposals[i * k : i * k + limit]
+        self.scheduler.after_step(out, rejected)
+        self._record_states()
+        return outputs
+
+    def replay_drafts(self, request_id: str, output_token_ids: list[int]) -> None:
+        """Drafts `request_id` from `output_token_ids` (an earlier run's output for the same prompt) instead of
+        the MTP layer's proposals, which still run: a draft source whose acceptance is known (every draft
+        accepted when that output is this run's own), for benchmarks and tests of the verification."""
+        if not self.num_speculative_tokens:
+            raise ValueError("replayed drafts need num_speculative_tokens > 0")
+        if request_id not in self._requests:
+            raise KeyError(f"unknown request {request_id!r}")
+        self._replayed_drafts[request_id] = list(output_token_ids)
+
+    def _draft_limit(self, req: Request) -> int:
+        """Drafts `req` may verify next: no more than its remaining output tokens after the next one, and
+        positions inside the context limit."""
+        left = req.params.max_tokens - len(req.output_token_ids) - 1
+        return max(0, min(self.num_speculative_tokens, left, self.max_model_len - req.num_tokens))
 
     def _complete(self, req: Request, token: int) -> RequestOutput:
         """Appends `req`'s token (stop conditions, text); a failure here ends `req` alone, not the step."""
@@ -368,6 +443,7 @@ class LLMEngine:
             "prefix_cache_evictions": kv.cache.num_evicted,
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
+            **self.spec_stats.as_dict(),
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }

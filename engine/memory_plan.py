@@ -89,10 +89,21 @@ def _mlp_bytes(hidden: int, intermediate: int, fmt: WeightFormat, d: int) -> int
             + linear_weight_bytes(hidden, intermediate, fmt.is_fp8("down_proj"), d))
 
 
-def weight_bytes(cfg: ModelConfig, tp_size: int, fmt: WeightFormat, dtype: torch.dtype) -> int:
-    """Bytes one tensor-parallel rank allocates for the model's weights (MTP layers excluded): the engine's
-    own layout (FP8 values and scales, stacked experts, float32 router and indexer head weights),
-    so the memory plan counts what the GPU really holds."""
+def mtp_layer_bytes(cfg: ModelConfig, tp_size: int, fmt: WeightFormat, d: int) -> int:
+    """One MTP layer (engine/mtp.py) on one rank: an MoE decoder block without an indexer (it uses the
+    target's selection), `eh_proj` [H, 2H] (replicated) and its three norms (`enorm`, `hnorm`,
+    `shared_head.norm`); its embedding and head are the target's."""
+    h = cfg.hidden_size
+    block = 2 * h * d + attention_weight_bytes(cfg, cfg.num_attention_heads // tp_size, fmt, d)
+    block += _moe_bytes(cfg, cfg.moe_intermediate_size // tp_size, fmt, d)
+    return block + linear_weight_bytes(h, 2 * h, fmt.is_fp8("eh_proj"), d) + 3 * h * d
+
+
+def weight_bytes(cfg: ModelConfig, tp_size: int, fmt: WeightFormat, dtype: torch.dtype,
+                 num_draft_layers: int = 0) -> int:
+    """Bytes one tensor-parallel rank allocates for the model's weights, with `num_draft_layers` MTP layers:
+    the engine's own layout (FP8 values and scales, stacked experts, float32 router and indexer head
+    weights), so the memory plan counts what the GPU really holds."""
     d = torch.finfo(dtype).bits // 8
     h = cfg.hidden_size
     heads = cfg.num_attention_heads // tp_size
@@ -106,7 +117,7 @@ def weight_bytes(cfg: ModelConfig, tp_size: int, fmt: WeightFormat, dtype: torch
             total += _moe_bytes(cfg, cfg.moe_intermediate_size // tp_size, fmt, d)
         else:
             total += _mlp_bytes(h, cfg.intermediate_size // tp_size, fmt, d)
-    return total
+    return total + num_draft_layers * mtp_layer_bytes(cfg, tp_size, fmt, d)
 
 
 def num_gpu_pages(budget: MemoryBudget, layout: KVLayout) -> int:

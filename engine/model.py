@@ -2,8 +2,8 @@
 
 Module and parameter names match the published checkpoints
 (`model.layers.N.self_attn.q_a_proj.weight`, `...mlp.experts.E.gate_proj.weight`)
-so weights load by name. Layers beyond `num_hidden_layers` (the MTP head) are
-not built.
+so weights load by name. The MTP layers past `num_hidden_layers` (engine/mtp.py) are
+built only for speculative decoding (`num_draft_layers`), after the target's layers.
 
 Tensor parallelism (engine/tp/sharding.py) adds exactly two all-reduces
 per decoder layer, after attention and after the MLP block, and one gather of
@@ -18,47 +18,25 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from engine.attention import MLAAttention, Selection, StepContext
+from engine.attention import Selection, StepContext
 from engine.attention_ops import AttentionOps
+from engine.decoder_layer import DecoderLayer
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
-from engine.layers import MLP, MoE, RMSNorm, RotaryEmbedding
+from engine.layers import MoE, RMSNorm, RotaryEmbedding
 from engine.linear import WeightFormat
 from engine.model_config import ModelConfig
+from engine.mtp import MTPLayer
 from engine.tp.tensor_parallel import TensorParallel
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel, fmt: WeightFormat) -> None:
-        super().__init__()
-        self.tp = tp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp8_out=fmt.is_fp8("self_attn.q_a_proj"))
-        self.self_attn = MLAAttention(cfg, layer, tp, fmt)
-        if cfg.is_moe_layer(layer):
-            self.mlp: nn.Module = MoE(cfg, tp, fmt)
-            mlp_fp8 = fmt.is_fp8("mlp.experts")
-        else:
-            self.mlp = MLP(cfg.hidden_size, tp.local(cfg.intermediate_size, "intermediate_size"), fmt)
-            mlp_fp8 = fmt.is_fp8("mlp.gate_proj")
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, fp8_out=mlp_fp8)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext, shared: Selection | None
-                ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
-        """(MLP output, residual stream before it, selection): the stream is x + residual, added by the next
-        norm (the next layer's input norm, or the final one), which saves a launch per add on a GPU. The
-        first layer gets the embeddings as x and no residual."""
-        h, total, h_fp8 = self.input_layernorm.forward_fp8(x, residual)
-        residual = x if residual is None else total
-        attn, selection = self.self_attn(h, ctx, shared, h_fp8)
-        h, residual, h_fp8 = self.post_attention_layernorm.forward_fp8(self.tp.all_reduce(attn), residual)
-        return self.tp.all_reduce(self.mlp(h, h_fp8)), residual, selection
-
-
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel, fmt: WeightFormat) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel, fmt: WeightFormat, num_draft_layers: int = 0) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, fmt) for i in range(cfg.num_hidden_layers))
+        n = cfg.num_hidden_layers
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, tp, fmt) for i in range(n)]
+                                    + [MTPLayer(cfg, n + i, tp, fmt) for i in range(num_draft_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -73,22 +51,26 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(cfg: ModelConfig, tp: TensorParallel, fmt: WeightFormat, dtype: torch.dtype,
-                device: torch.device) -> GlmMoeDsaForCausalLM:
+                device: torch.device, num_draft_layers: int = 0) -> GlmMoeDsaForCausalLM:
     """The model with its tensors created in place: `dtype` on `device`, FP8 weights and float32 scales as
     declared. Never `.to(dtype)` a built model: FP8 weights are floating point and would be converted."""
     with torch.device(device), _default_dtype(dtype):
-        return GlmMoeDsaForCausalLM(cfg, tp, fmt)
+        return GlmMoeDsaForCausalLM(cfg, tp, fmt, num_draft_layers)
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
     """The whole model; `forward` returns logits of the batch's sampled rows only."""
 
-    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, fmt: WeightFormat = WeightFormat()) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None, fmt: WeightFormat = WeightFormat(),
+                 num_draft_layers: int = 0) -> None:
+        """`num_draft_layers`: how many of the checkpoint's MTP layers to build (speculative decoding)."""
         super().__init__()
+        if num_draft_layers > cfg.num_nextn_predict_layers:
+            raise ValueError(f"the model has {cfg.num_nextn_predict_layers} MTP layers, {num_draft_layers} asked")
         self.cfg = cfg
         self.tp = tp or TensorParallel()
         self.weight_format = fmt
-        self.model = Backbone(cfg, self.tp, fmt)
+        self.model = Backbone(cfg, self.tp, fmt, num_draft_layers)
         self.lm_head = nn.Linear(cfg.hidden_size, self.tp.local(cfg.vocab_size, "vocab_size"), bias=False)
         self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta)
 
@@ -96,7 +78,7 @@ class GlmMoeDsaForCausalLM(nn.Module):
         """Keeps in float32 what is computed in float32 whatever the model dtype: the indexer's head weights
         (float32 as published) and the routers' weights (their scores; their bias is float32 already), so
         no step converts them again. Called once the model is built, before its weights are set."""
-        for layer in self.model.layers:
+        for layer in self.model.layers:  # the MTP layers too
             if layer.self_attn.indexer is not None:
                 layer.self_attn.indexer.weights_proj.float()
             if isinstance(layer.mlp, MoE):
@@ -121,12 +103,33 @@ class GlmMoeDsaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Runs every layer (writing the batch's KV rows) and returns the final normed hidden
         states [S, hidden] of the sampled rows; ranks that return no logits stop here."""
+        x, residual, _, _ = self._layers(batch, kv_pool, layout, ops)
+        rows = batch.logits_rows
+        return self.model.norm(x[rows] if residual is None else x[rows] + residual[rows])
+
+    @torch.inference_mode()
+    def target_pass(
+        self, batch: ForwardBatch, kv_pool: torch.Tensor, layout: KVLayout, ops: AttentionOps
+    ) -> tuple[torch.Tensor, Selection, StepContext]:
+        """Runs the target's layers and returns the final normed hidden states of every row [T, hidden] (an
+        MTP layer reads them all), the last full layer's selection (the MTP layer's) and the step's context."""
+        x, residual, selection, ctx = self._layers(batch, kv_pool, layout, ops)
+        return self.model.norm(x if residual is None else x + residual), selection, ctx
+
+    @property
+    def mtp_layers(self) -> list[MTPLayer]:
+        return list(self.model.layers[self.cfg.num_hidden_layers :])
+
+    def _layers(self, batch: ForwardBatch, kv_pool: torch.Tensor, layout: KVLayout, ops: AttentionOps
+                ) -> tuple[torch.Tensor, torch.Tensor | None, Selection, StepContext]:
+        """The target's layers over the batch: (last MLP output, residual stream before it, last selection,
+        context)."""
         x = self.model.embed_tokens(batch.input_ids)
         cos, sin = self.rotary(batch.positions, x.dtype)
         ctx = StepContext(batch, cos, sin, kv_pool, layout, ops)
         selection: Selection | None = None
         residual: torch.Tensor | None = None
-        for layer in self.model.layers:
+        for layer in self.model.layers[: self.cfg.num_hidden_layers]:
             x, residual, selection = layer(x, residual, ctx, selection)
-        rows = batch.logits_rows
-        return self.model.norm(x[rows] if residual is None else x[rows] + residual[rows])
+        assert selection is not None  # layer 0 is always a full layer
+        return x, residual, selection, ctx

@@ -57,6 +57,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     torch_dtype: str = "bfloat16"
+    num_nextn_predict_layers: int = 0  # MTP layers past num_hidden_layers (engine/mtp.py)
     quantization: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -104,7 +105,8 @@ class ModelConfig:
         return q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [128, 128]
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.mlp_layer_types[layer] == "sparse"
+        """Layers past `num_hidden_layers` are the MTP layers, MoE blocks as in the published checkpoints."""
+        return layer >= self.num_hidden_layers or self.mlp_layer_types[layer] == "sparse"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -153,6 +155,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype") or "bfloat16",
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
             quantization=raw.get("quantization_config"),
         )
 

@@ -15,7 +15,7 @@ import torch
 from engine.executors.executor import Executor, PendingOutput
 from engine.kv_layout import KVLayout
 from engine.page_tables import PageTableSender
-from engine.rank.step import StepInput
+from engine.rank.step import DraftInput, StepInput
 from engine.request import PENDING
 from engine.sampler import SamplingBatch
 from engine.scheduler import ScheduledRequest
@@ -23,8 +23,10 @@ from residency.manager import ResidencyManager
 
 
 class ModelRunner:
-    def __init__(self, executor: Executor, layout: KVLayout) -> None:
+    def __init__(self, executor: Executor, layout: KVLayout, num_speculative_tokens: int = 0) -> None:
+        """`num_speculative_tokens` > 0: every step verifies drafts and proposes that many (`DraftInput`)."""
         self.executor, self.layout = executor, layout
+        self.num_speculative_tokens = num_speculative_tokens
         self.residency: ResidencyManager | None = None  # set by the engine when a host tier exists
         self.num_steps = 0
         self._last_sampled: dict[str, int] = {}  # request id -> its row among the last launched step's samples
@@ -44,11 +46,16 @@ class ModelRunner:
         row_ranges: list[tuple[int, int]] = []
         logits_rows: list[int] = []
         ctx_lens: list[int] = []
+        next_ids: list[int] = []
+        logit_starts: list[int] = []
         for b, s in enumerate(scheduled):
             req, start = s.request, s.request.num_computed_tokens
             end = start + s.num_new_tokens
             row_ranges.append((len(ids), len(ids) + s.num_new_tokens))
-            chunk = req.token_ids(start, end)
+            chunk = req.step_token_ids(start, end)
+            if self.num_speculative_tokens:  # the MTP layer's input: the next token where known
+                next_ids += req.token_ids(start + 1, min(end + 1, req.num_tokens)) + [-1] * (
+                    end + 1 - max(start + 1, req.num_tokens))
             if req.num_pending_tokens:
                 prev_rows += [-1 if t != PENDING else self._last_sampled[req.request_id] for t in chunk]
             else:
@@ -57,10 +64,18 @@ class ModelRunner:
             positions += range(start, end)
             req_of_row += [b] * s.num_new_tokens
             ctx_lens.append(end)
-            if s.completes:
-                logits_rows.append(len(ids) - 1)
+            if s.completes:  # the last known token's row and the draft rows after it
+                logit_starts.append(len(logits_rows))
+                logits_rows += range(len(ids) - 1 - s.num_drafts, len(ids))
         page, idx_page = self.layout.page_size, self.layout.indexer_tokens_per_page
         reqs = [s.request for s in scheduled]
+        draft = None
+        if self.num_speculative_tokens:
+            draft = DraftInput(next_ids=torch.tensor(next_ids, dtype=torch.long),
+                               logit_starts=torch.tensor(logit_starts, dtype=torch.long),
+                               num_drafts=torch.tensor([s.num_drafts for s in scheduled if s.completes],
+                                                       dtype=torch.long),
+                               num_speculative_tokens=self.num_speculative_tokens)
         return StepInput(
             input_ids=torch.tensor(ids, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
@@ -76,6 +91,7 @@ class ModelRunner:
             step=self.num_steps,
             sampling=sampling,
             prev_rows=torch.tensor(prev_rows, dtype=torch.long) if PENDING in ids else None,
+            draft=draft,
         )
 
     def launch(self, scheduled: list[ScheduledRequest], sampling: SamplingBatch) -> PendingOutput:

@@ -93,6 +93,9 @@ class Request:
     # sent to the ranks (engine/page_tables.py sends them from there); 0 also covers the indexer pages
     tables_dirty_from: int = 0
     num_preemptions: int = 0
+    # speculative decoding: tokens the MTP layer proposed for the positions after the last known one, which
+    # the next step computes (and the target verifies) beside that token
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -110,6 +113,17 @@ class Request:
         else:
             out = self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
         return out + [PENDING] * (min(end, self.num_tokens) - max(start, known))
+
+    def step_token_ids(self, start: int, end: int) -> list[int]:
+        """The input ids of positions [start, end): known (or pending) tokens, then drafts."""
+        known = self.token_ids(start, min(end, self.num_tokens))
+        first_draft = max(start, self.num_tokens) - self.num_tokens
+        return known + self.draft_token_ids[first_draft : end - self.num_tokens]
+
+    @property
+    def num_step_tokens(self) -> int:
+        """Positions a step may compute up to: the tokens held and the drafts after them."""
+        return self.num_tokens + len(self.draft_token_ids)
 
     def pages_replaced_from(self, index: int) -> None:
         """GPU pages from `index` on were replaced (promoted, swapped in, reattached): they register again."""

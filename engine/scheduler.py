@@ -46,8 +46,13 @@ class ScheduledRequest:
 
     @property
     def completes(self) -> bool:
-        """Whether this chunk reaches the request's last known token (so a token is sampled)."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        """Whether this chunk reaches the request's last known token and its drafts (so tokens are sampled)."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_step_tokens
+
+    @property
+    def num_drafts(self) -> int:
+        """Draft rows this chunk verifies."""
+        return len(self.request.draft_token_ids) if self.completes else 0
 
 
 @dataclass
@@ -96,6 +101,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.draft_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -158,12 +164,15 @@ class Scheduler:
 
     def _chunk(self, req: Request, budget: int) -> int:
         """Tokens `req` computes this step: a request with host-only pages takes the rows whose
-        misses its hot buffer holds at once (its buffer is sized for the step first)."""
-        num_new = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk_tokens)
+        misses its hot buffer holds at once (its buffer is sized for the step first). Drafts that do not
+        fit with the last known token are dropped (verified in part, they would sample nothing)."""
+        num_new = min(req.num_step_tokens - req.num_computed_tokens, budget, self.max_chunk_tokens)
         if req.hot is not None:
             spare = self.kv.num_available - self.kv.pages_needed(req, req.num_computed_tokens + num_new)
             self.kv.residency.hot.size_for(req, num_new, spare)
             num_new = min(num_new, self.kv.residency.hot.rows_per_step(req))
+        if req.draft_token_ids and req.num_computed_tokens + num_new < req.num_step_tokens:
+            del req.draft_token_ids[max(req.num_computed_tokens + num_new - req.num_tokens, 0) :]
         return num_new
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
@@ -173,7 +182,7 @@ class Scheduler:
             req = self.swapped[0]
             if self._done_by_length(req):
                 break
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_step_tokens - req.num_computed_tokens, budget)
             total = req.num_computed_tokens + num_new
             growth = max(-(-total // self.kv.page_size) - len(req.mla_pages), 0)
             growth += max(-(-total // self.kv.indexer_page_tokens) - len(req.host_indexer_pages), 0)
@@ -268,12 +277,19 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def after_step(self, out: SchedulerOutput) -> None:
-        """Advances computed counts, registers newly full pages, mirrors them when residency asks."""
+    def after_step(self, out: SchedulerOutput, rejected: dict[str, int] | None = None) -> None:
+        """Advances computed counts, registers newly full pages, mirrors them when residency asks.
+        `rejected`: request id -> draft rows the target rejected (speculative decoding); those rows are not
+        computed and the pages past the kept ones are released."""
+        rejected = rejected or {}
         for s in out.scheduled:
             if s.request.is_finished:
                 continue
+            dropped = rejected.get(s.request.request_id, 0)
+            s.num_new_tokens -= dropped
             s.request.num_computed_tokens += s.num_new_tokens
+            if dropped:
+                self.kv.trim(s.request, s.request.num_tokens)
             self.kv.cache_full_pages(s.request)
         if out.mirror_rows:
             self.kv.residency.mirroring.mirror_step([(s.request, s.request.num_computed_tokens - s.num_new_tokens,

@@ -1,8 +1,10 @@
 """The tiny model: a small random-weight `glm_moe_dsa` checkpoint in Hugging Face format.
 
 Same architecture as GLM-5.x at toy sizes: several layers, dense then MoE
-layers, IndexShare with full and shared layers, and `index_topk` far below the
-contexts it serves so attention really is sparse. Written as sharded
+layers, IndexShare with full and shared layers, `index_topk` far below the
+contexts it serves so attention really is sparse, and one MTP layer past them
+(engine/mtp.py) stored as published checkpoints store it, with its copies of the
+target's embedding and lm_head. Written as sharded
 safetensors with an index, published parameter names, a byte-level tokenizer
 and a GLM-style chat template, so every loading path of a real checkpoint runs.
 With `fp8=True` the linear weights are written as published FP8 checkpoints hold
@@ -72,6 +74,7 @@ TINY_CONFIG: dict[str, Any] = {
     "tie_word_embeddings": False,
     "attention_bias": False,
     "torch_dtype": "float32",
+    "num_nextn_predict_layers": 1,
 }
 
 # Weight scale of the tiny model: large enough that logits are well separated.
@@ -85,10 +88,15 @@ PER_LAYER_FIELDS = ("indexer_types", "mlp_layer_types")
 
 
 def save_checkpoint(model: torch.nn.Module, out: Path, num_shards: int = 2) -> None:
-    """Writes the model's tensors under their published names as `num_shards` safetensors files plus the index."""
+    """Writes the model's tensors under their published names as `num_shards` safetensors files plus the index;
+    each MTP layer also gets the copies of the target's embedding and lm_head that published checkpoints hold
+    (`model.layers.L.embed_tokens.weight`, `model.layers.L.shared_head.head.weight`), which loading skips."""
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     state = {name: slot.view(tensors).detach().contiguous().clone() for name, slot in published_slots(model).items()}
+    for layer in range(model.cfg.num_hidden_layers, len(model.model.layers)):
+        state[f"model.layers.{layer}.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+        state[f"model.layers.{layer}.shared_head.head.weight"] = state["lm_head.weight"].clone()
     if model.weight_format.kind == "fp8":  # published FP8 checkpoints also quantise what the engine dequantises
         for name in [n for n in state if n.endswith("kv_b_proj.weight")]:
             state[name], state[name + "_scale_inv"] = quantize_weight_blocks(state[name].float())
@@ -149,8 +157,9 @@ def write_architecture(out: str | Path, raw: dict[str, Any]) -> Path:
 
 
 def make_tiny(out: str | Path, seed: int = 0, overrides: dict[str, Any] | None = None, fp8: bool = False) -> Path:
-    """Creates the tiny checkpoint in `out`; `overrides` replace config fields (tests and other shapes use it);
-    `fp8` writes FP8 block-quantised linear weights."""
+    """Creates the tiny checkpoint in `out`, with its `num_nextn_predict_layers` MTP layers; `overrides` replace
+    config fields (tests and other shapes use it); `fp8` writes FP8 block-quantised linear weights. The MTP
+    layers' numbers are drawn after the target's, so the target's weights do not depend on them."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     raw = {**TINY_CONFIG, **(FP8_TINY_OVERRIDES if fp8 else {}), **(overrides or {})}
@@ -160,11 +169,11 @@ def make_tiny(out: str | Path, seed: int = 0, overrides: dict[str, Any] | None =
     cfg = ModelConfig.from_dict(raw)
     torch.manual_seed(seed)
     fmt, dtype = (WeightFormat("fp8"), torch.bfloat16) if fp8 else (WeightFormat(), torch.float32)
-    model = build_model(cfg, TensorParallel(), fmt, dtype, torch.device("cpu"))
+    model = build_model(cfg, TensorParallel(), fmt, dtype, torch.device("cpu"), cfg.num_nextn_predict_layers)
     random_init(model, seed, std=TINY_INIT_STD)
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 1)
-        for layer in model.model.layers:
+        for layer in model.model.layers:  # the target's, then the MTP layers'
             if hasattr(layer.mlp, "gate"):
                 layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(cfg.n_routed_experts, generator=gen) * 0.1)
     save_checkpoint(model, out)

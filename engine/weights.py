@@ -7,15 +7,24 @@ experts into their stacked per-layer tensors). FP8 block-quantised tensors
 keep FP8 weights (`engine.linear`), and dequantised to the compute dtype for
 the others (kv_b_proj in its absorbed form, the float32 reference mode).
 Experts stored fused (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`
-[E, H, I], as transformers saves them) are split by expert first. Layers past
-`num_hidden_layers` (MTP) are skipped. Nothing here touches the network.
+[E, H, I], as transformers saves them) are split by expert first. Nothing here
+touches the network.
+
+The layers past `num_hidden_layers` are the MTP layers (engine/mtp.py): those the
+model built are loaded, the others skipped. Of a built one, the checkpoint's
+copies of the target's embedding and lm_head (`embed_tokens`, `shared_head.head`)
+are skipped, since the engine uses the target's, and so is its indexer, which
+published checkpoints store although the MTP layer attends over the target's
+selection and has none.
 
 A tensor-parallel rank reads only its slice of each split tensor
 (engine/tp/sharding.py) through safetensors slices, so eight ranks read
 the checkpoint about once between them, not eight times; FP8 slices are read
 on whole 128-blocks (and must lie on them when they stay FP8). The random
 init draws the full tensors and keeps the rank's slice, so a random model is
-the same model at every tensor-parallel size, in either weight format.
+the same model at every tensor-parallel size, in either weight format, and
+draws the MTP layers' tensors after the target's, so building them does not
+change the target.
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _FUSED_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+# What an MTP layer's checkpoint entry holds that the engine does not build (see the module docstring).
+_MTP_UNUSED_RE = re.compile(r"^model\.layers\.\d+\.(embed_tokens|shared_head\.head|self_attn\.indexer)\.")
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -90,15 +101,36 @@ def _shard_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(model_dir: Path, cfg: ModelConfig, tp: TensorParallel | None = None) -> Iterator[StoredTensor]:
-    """Yields every published tensor of the checkpoint as `tp`'s rank reads it, experts split apart."""
+def _layer_of(name: str) -> int | None:
+    m = _LAYER_RE.match(name)
+    return None if m is None else int(m.group(1))
+
+
+def _is_mtp(name: str, cfg: ModelConfig) -> bool:
+    """Whether published tensor `name` belongs to an MTP layer (one past `num_hidden_layers`)."""
+    layer = _layer_of(name)
+    return layer is not None and layer >= cfg.num_hidden_layers
+
+
+def _is_read(name: str, cfg: ModelConfig, num_draft_layers: int) -> bool:
+    """Whether a model with `num_draft_layers` MTP layers holds checkpoint tensor `name` (a weight; scales
+    are read with theirs)."""
+    layer = _layer_of(name)
+    if layer is None or layer < cfg.num_hidden_layers:
+        return True
+    return layer < cfg.num_hidden_layers + num_draft_layers and _MTP_UNUSED_RE.match(name) is None
+
+
+def iter_checkpoint(model_dir: Path, cfg: ModelConfig, tp: TensorParallel | None = None,
+                    num_draft_layers: int = 0) -> Iterator[StoredTensor]:
+    """Yields every published tensor of the checkpoint that a model with `num_draft_layers` MTP layers holds,
+    as `tp`'s rank reads it, experts split apart."""
     tp = tp or TensorParallel()
     for path in _shard_files(model_dir):
         with safe_open(str(path), framework="pt") as shard:
             keys = set(shard.keys())
             for name in sorted(keys):
-                m = _LAYER_RE.match(name)
-                if (m and int(m.group(1)) >= cfg.num_hidden_layers) or name.endswith(SCALE_SUFFIX):
+                if name.endswith(SCALE_SUFFIX) or not _is_read(name, cfg, num_draft_layers):
                     continue
                 fused = _FUSED_RE.match(name.removesuffix(".weight"))
                 if fused:  # small transformers-saved checkpoints: read whole, then split
@@ -173,27 +205,40 @@ def _check_shape(name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
 
 
 def load_weights(model: nn.Module, model_dir: str | Path, dtype: torch.dtype) -> None:
-    """Copies every checkpoint tensor (the rank's slice of split ones) into `model`; fails on
-    missing or unexpected names."""
+    """Copies every checkpoint tensor the model holds (the rank's slice of split ones, the MTP layers it
+    built) into `model`; fails on missing or unexpected names."""
     cfg: ModelConfig = model.cfg  # type: ignore[assignment]
     tensors, slots = _model_tensors(model), published_slots(model)
     seen: set[str] = set()
     with torch.no_grad():
-        for stored in iter_checkpoint(Path(model_dir), cfg, model.tp):
+        for stored in iter_checkpoint(Path(model_dir), cfg, model.tp, len(model.mtp_layers)):
             seen.update(_place(stored, tensors, slots, dtype))
         if cfg.tie_word_embeddings and "lm_head.weight" not in seen:
             tensors["lm_head.weight"].copy_(model.tp.shard(tensors["model.embed_tokens.weight"], 0))
             seen.add("lm_head.weight")
     missing = [n for n in slots if n not in seen]
     if missing:
-        raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        raise KeyError(_missing_message(model_dir, cfg, missing))
     logger.info("loaded %d tensors from %s", len(seen), model_dir)
+
+
+def _missing_message(model_dir: str | Path, cfg: ModelConfig, missing: list[str]) -> str:
+    """Names the tensors the model holds and the checkpoint lacks; when some are an MTP layer's, says so:
+    the model was built with more draft layers than the checkpoint carries."""
+    message = f"checkpoint {model_dir} lacks {len(missing)} tensors the model holds, e.g. {missing[:3]}"
+    mtp = sorted({_layer_of(n) for n in missing if _is_mtp(n, cfg)})
+    if mtp:
+        message += (f"; {sum(_is_mtp(n, cfg) for n in missing)} of them are of MTP layers {mtp} "
+                    f"(config.json's num_nextn_predict_layers is {cfg.num_nextn_predict_layers}): build fewer "
+                    "draft layers, or use a checkpoint that carries them")
+    return message
 
 
 def random_init(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Seeded shapes-only init: normal weights, unit norms, zero biases; a split tensor gets its
     slice of the full tensor (FP8: quantised whole, then cut), so every tensor-parallel size builds
-    the same model. Tensors are drawn in published-name order, one draw per published tensor.
+    the same model. Tensors are drawn in published-name order, one draw per published tensor, the
+    target's first and the MTP layers' after them, so the target is the same with or without them.
 
     Numbers are drawn on the parameters' device (a CPU draw of a GLM-sized model takes tens of
     seconds), so one seed gives one model per device type, not the same model on CPU and CUDA.
@@ -204,8 +249,9 @@ def random_init(model: nn.Module, seed: int, std: float = 0.02) -> None:
     parameters = {id(p) for p in model.parameters()}
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
+    cfg: ModelConfig = model.cfg  # type: ignore[assignment]
     with torch.no_grad():
-        for name, slot in sorted(slots.items()):
+        for name, slot in sorted(slots.items(), key=lambda item: (_is_mtp(item[0], cfg), item[0])):
             if name.endswith(SCALE_SUFFIX) or id(tensors[slot.param]) not in parameters:
                 continue
             target = slot.view(tensors)

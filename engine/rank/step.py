@@ -25,6 +25,19 @@ from residency.stats import ResolveCounts
 
 
 @dataclass(frozen=True)
+class DraftInput:
+    """What a speculative step needs beyond the target forward (engine/rank/speculative.py): the MTP
+    layer's input token of every row and, per sampling request, where its logits rows start and how many
+    of them verify drafts. Sampling requests are the completing ones, in order; each has 1 + drafts
+    consecutive logits rows."""
+
+    next_ids: torch.Tensor  # [T] int64: the token after each row's position when known, -1 on logits rows
+    logit_starts: torch.Tensor  # [R] int64: first logits row of each sampling request
+    num_drafts: torch.Tensor  # [R] int64: drafts it verifies (its logits rows - 1)
+    num_speculative_tokens: int  # drafts to propose for each sampling request
+
+
+@dataclass(frozen=True)
 class StepInput:
     """One step's batch as host data: flattened rows, write slots, page tables (see ForwardBatch)."""
 
@@ -44,6 +57,7 @@ class StepInput:
     # [T] int64: for a row whose input the previous step sampled and the host has not read, that token's
     # number among the previous step's sampled rows (its id is on the device); -1 elsewhere. None: all known.
     prev_rows: torch.Tensor | None = None
+    draft: DraftInput | None = None  # speculative decoding: verify this step's drafts and propose the next
     # Rebuilt by each rank from `page_table_rows` (`with_page_tables`) before anything reads them:
     # [B, max_pages] / [B, max_indexer_pages] int32 whole tables, and the resolve's page lists of the
     # requests with host-only pages (batch index -> spec).

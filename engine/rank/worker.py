@@ -14,6 +14,7 @@ the rank's persistent buffers and, on a GPU, as captured CUDA graphs
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from engine.model import build_model
 from engine.model_config import ModelConfig
 from engine.page_tables import PageTableStore
 from engine.rank.decode_graphs import DecodeGraphs, GraphConfig
+from engine.rank.speculative import speculative_step
 from engine.rank.step import StepInput, StepOutput
 from engine.sampler import SamplingBatch, sample
 from engine.tp.tensor_parallel import TensorParallel
@@ -51,6 +53,7 @@ class WorkerSpec:
     random_seed: int | None  # seeded random weights instead of the checkpoint
     weight_format: WeightFormat = WeightFormat()  # linear weights dense or FP8 block-scaled
     graphs: GraphConfig = GraphConfig()  # how decode steps run
+    num_speculative_tokens: int = 0  # drafts a step from the MTP layer (built, with its KV rows, when > 0)
 
 
 @dataclass
@@ -79,10 +82,11 @@ class Worker:
     def __init__(self, spec: WorkerSpec, rank: int, device: torch.device) -> None:
         self.rank, self.device = rank, device
         cfg = ModelConfig.from_dir(spec.model_dir)
-        self.layout = KVLayout.for_model(cfg, spec.kv_format)
+        draft_layers = 1 if spec.num_speculative_tokens else 0
+        self.layout = KVLayout.for_model(cfg, spec.kv_format, draft_layers=draft_layers)
         self.index_topk = cfg.index_topk
         tp = TensorParallel(rank, spec.tp_size)
-        self.model = build_model(cfg, tp, spec.weight_format, spec.dtype, device)
+        self.model = build_model(cfg, tp, spec.weight_format, spec.dtype, device, draft_layers)
         self.model.hold_float32_parts()
         if spec.random_seed is not None:
             random_init(self.model, spec.random_seed)
@@ -98,8 +102,11 @@ class Worker:
         self.graphs: DecodeGraphs | None = None  # set with the pool unless enforce_eager
         rows, pin = spec.graphs.max_batch, device.type == "cuda"
         self.last_tokens = torch.zeros(rows, dtype=torch.long, device=device)  # the last step's sampled ids
+        # A speculative step answers k + 1 sampled tokens, the accepted count and k drafts per request.
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        results = rows * (2 * spec.num_speculative_tokens + 2)
         # Two sets: a step's results are read after the next step is queued, before the one after.
-        self._staging = [_Staging(torch.zeros(rows, dtype=torch.long, pin_memory=pin),
+        self._staging = [_Staging(torch.zeros(results, dtype=torch.long, pin_memory=pin),
                                   torch.zeros(3, dtype=torch.long, pin_memory=pin)) for _ in range(2)]
         self.num_launched = 0
         self.page_tables = PageTableStore()  # the last step's page table rows (engine/page_tables.py)
@@ -116,11 +123,14 @@ class Worker:
         its decode graphs. One page more than the driver's is the scratch page decode padding writes."""
         pool = torch.zeros(num_pages + 1, self.layout.page_bytes, dtype=torch.uint8, device=self.device)
         self.kv_pool = pool[:num_pages]
+        self._scratch_pool = pool  # speculative drafting writes its throwaway rows to the scratch page too
+        page = self.layout.page_size
+        self._scratch_slots = num_pages * page + torch.arange(self.graph_config.max_batch, device=self.device) % page
         logger.info(
             "rank %d KV pool: %d pages x %.2f MiB (%s rows)", self.rank, num_pages, self.layout.page_bytes / 2**20,
             self.layout.kv_format,
         )
-        if self.graph_config.enforce_eager:
+        if self.graph_config.enforce_eager or self.num_speculative_tokens:
             return
         # Looked up at each call, so a test's wrapper of `sample_logits` sees uncaptured steps too.
         self.graphs = DecodeGraphs(self.graph_config, self.model, self.layout, self.ops, pool, num_pages,
@@ -142,14 +152,17 @@ class Worker:
         self._after_mirrors()
         step = step.with_page_tables(self.page_tables)
         key = self.graphs.key_for(step) if self.graphs is not None else None
-        if key is not None:
+        if step.draft is not None:
+            tokens = self._speculative(step)
+        elif key is not None:
             tokens = self.graphs.launch(key, step, self.residency, self.last_tokens)
         else:
             tokens = self._eager(step)
         staging = self._staging[self.num_launched % len(self._staging)]
         self.num_launched += 1
-        n = step.num_logits
-        self.last_tokens[:n].copy_(tokens[:n])
+        n = step.num_logits if step.draft is None else int(tokens.shape[0])
+        if step.draft is None:
+            self.last_tokens[:n].copy_(tokens[:n])
         staging.tokens[:n].copy_(tokens[:n], non_blocking=True)
         if self.residency is not None:
             self.residency.counts_into(staging.counts)
@@ -165,6 +178,16 @@ class Worker:
             batch.input_ids = with_previous_tokens(batch.input_ids, step.prev_rows.to(self.device), self.last_tokens)
         hidden = self.model.hidden_states(batch, self.kv_pool, self.layout, self.ops)
         return self.sample_logits(self.model.logits(hidden), step.sampling.to(self.device))
+
+    def _speculative(self, step: StepInput) -> torch.Tensor:
+        """Verifies the step's drafts and proposes the next (engine/rank/speculative.py); eager."""
+        batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
+        draft = step.draft
+        draft = dataclasses.replace(draft, next_ids=draft.next_ids.to(self.device),
+                                    logit_starts=draft.logit_starts.to(self.device),
+                                    num_drafts=draft.num_drafts.to(self.device))
+        return speculative_step(self.model, batch, self.kv_pool, self._scratch_pool, self._scratch_slots,
+                                self.layout, self.ops, step.sampling.to(self.device), self.sample_logits, draft)
 
     def sample_logits(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
         """The token ids of `logits` [S, V] (a method, so a test can watch the logits of an eager or an

@@ -1,0 +1,143 @@
+"""Speculative decoding with the MTP layer: the output is the target's own, drafts good or bad.
+
+The tiny checkpoint's MTP layer has random weights, so its drafts are nearly always rejected (every
+rejection rolls back pages); replayed drafts (an earlier run's output, corrupted at chosen places) make
+acceptance known, so accepted and rejected drafts mix and page boundaries are crossed both ways.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.llm_engine import LLMEngine
+from engine.request import SamplingParams
+from residency.config import HiSparseConfig
+from tests.helpers import assert_pages_released, greedy, make_engine
+
+PROMPT_LENS = (250, 240, 230)
+NEW_TOKENS = 60
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 380, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [_prompt(n, 30 + n) for n in PROMPT_LENS]
+
+
+def _engine(tiny_dir: Path, k: int, policy: str = "off", pages: int | None = None) -> LLMEngine:
+    host = 0.05 if policy in ("hybrid", "offload") else 0.0
+    return make_engine(tiny_dir, num_speculative_tokens=k, num_gpu_pages=pages, enable_prefix_cache=False,
+                       hisparse=HiSparseConfig(policy=policy, host_pool_gib=host))
+
+
+def _run(engine: LLMEngine, params: list[SamplingParams], replay: list[list[int]] | None = None) -> list[list[int]]:
+    """Runs PROMPTS to the end, checking the accounting after every step; returns each request's tokens."""
+    ids = [f"r{i}" for i in range(len(PROMPTS))]
+    for i, (rid, prompt, p) in enumerate(zip(ids, PROMPTS, params)):
+        engine.add_request(rid, prompt, p)
+        if replay is not None:
+            engine.replay_drafts(rid, replay[i])
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+        engine.check_integrity()
+    assert_pages_released(engine)
+    if engine.residency is not None:
+        assert engine.residency.host.num_in_use() == 0
+    return [tokens[rid] for rid in ids]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir: Path) -> list[list[int]]:
+    """Greedy tokens without drafts, the pool ample."""
+    return _run(_engine(tiny_dir, 0), [greedy(NEW_TOKENS)] * len(PROMPTS))
+
+
+def _corrupted(tokens: list[int], every: int) -> list[int]:
+    """`tokens` with every `every`-th one replaced: drafts from it are accepted up to the next replacement."""
+    return [(t + 1) % 380 if i % every == every - 1 else t for i, t in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_drafts_keep_the_greedy_tokens(tiny_dir: Path, reference: list[list[int]], k: int) -> None:
+    engine = _engine(tiny_dir, k)
+    assert _run(engine, [greedy(NEW_TOKENS)] * len(PROMPTS)) == reference
+    stats = engine.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0
+    assert stats["spec_decode_num_drafts"] <= stats["spec_decode_num_draft_tokens"] <= k * stats["spec_decode_num_drafts"]
+
+
+@pytest.mark.parametrize(("policy", "pages"), [("off", None), ("hybrid", 16), ("offload", 16), ("preempt", 12)])
+def test_replayed_drafts_accept_and_roll_back_exactly(tiny_dir: Path, reference: list[list[int]], policy: str,
+                                                      pages: int | None) -> None:
+    """Drafts right up to every fifth token: steps accept some drafts and reject the rest, under pressure
+    too; the tokens are the reference's and every rolled-back page is released."""
+    engine = _engine(tiny_dir, 3, policy, pages)
+    replay = [_corrupted(t, 5) for t in reference]
+    assert _run(engine, [greedy(NEW_TOKENS)] * len(PROMPTS), replay) == reference
+    stats = engine.stats()
+    accepted, drafted = stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"]
+    assert 0 < accepted < drafted
+    assert stats["spec_decode_mean_acceptance_length"] > 2.0  # about 4 of every 5 drafts are right
+    if policy == "hybrid":
+        assert stats["pages_demoted"] > 0 and stats["hot_misses"] > 0
+    elif policy == "offload":
+        assert stats["swaps"] > 0
+    elif policy == "preempt":
+        assert stats["preemptions"] > 0
+
+
+def test_every_draft_of_the_run_itself_is_accepted(tiny_dir: Path, reference: list[list[int]]) -> None:
+    engine = _engine(tiny_dir, 3)
+    assert _run(engine, [greedy(NEW_TOKENS)] * len(PROMPTS), reference) == reference
+    stats = engine.stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
+    # A request's first token comes from its prefill; the others arrive up to four a step.
+    assert engine.num_steps < NEW_TOKENS
+
+
+def test_sampling_with_drafts_is_reproducible_and_the_targets(tiny_dir: Path) -> None:
+    """A seeded sampled run gives the same tokens twice and the same as without drafts: each output position
+    is drawn from the target's distribution with the request's seed, whatever was drafted."""
+    params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=11 + i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    without = _run(_engine(tiny_dir, 0), params)
+    first, second = (_run(_engine(tiny_dir, 2), params) for _ in range(2))
+    assert first == second == without
+
+
+def test_draft_iterations_replay_the_resolve(tiny_dir: Path, reference: list[list[int]],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under hybrid pressure a step resolves the selections of its full layers once each (hits, victims, miss
+    copies of requests with host-only pages) and its draft iterations reuse them: a draft iteration that
+    selected or resolved again would add calls."""
+    calls: list[int] = []
+    resolve = ForwardBatch.resolve_selection
+
+    def counting(self: ForwardBatch, group: int, positions: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        calls.append(len(self.nonresident) + (self.decode_leases is not None))
+        return resolve(self, group, positions, lens)
+
+    monkeypatch.setattr(ForwardBatch, "resolve_selection", counting)
+    engine = _engine(tiny_dir, 3, "hybrid", 16)
+    full_layers = engine.layout.num_full_layers
+    per_step: list[int] = []
+    launch = engine.executor.launch_model
+
+    def watching(step):  # noqa: ANN001, ANN202
+        before = len(calls)
+        result = launch(step)
+        per_step.append(len(calls) - before)
+        return result
+
+    engine.executor.launch_model = watching
+    assert _run(engine, [greedy(NEW_TOKENS)] * len(PROMPTS), [_corrupted(t, 5) for t in reference]) == reference
+    assert per_step and all(n == full_layers for n in per_step)
+    assert any(calls), "no step had requests with host-only pages"
