@@ -287,6 +287,9 @@ class AppConfig(_Section):
         prefill = self.prefill_engine
         if prefill is not None and (prefill.dtype, prefill.kv_dtype) != (self.engine.dtype, self.engine.kv_dtype):
             raise ValueError("prefill_engine must keep engine's dtype and kv_dtype: their KV pages are exchanged")
+        if prefill is not None and bool(prefill.num_speculative_tokens) != bool(self.engine.num_speculative_tokens):
+            raise ValueError("prefill_engine and engine must both draft (num_speculative_tokens > 0) or neither: "
+                             "drafting adds the MTP layer's rows to the KV pages they exchange")
         return self
 
     @model_validator(mode="after")

@@ -113,6 +113,11 @@ def test_model_forms_are_checked() -> None:
     args["prefill_engine"].update(random_weights=True, seed=1)
     with pytest.raises(ConfigError, match="prefill_engine.seed must equal engine.seed"):
         AppConfig.from_args(args)
+    pd = _args("glm53-pd.yaml")
+    assert AppConfig.from_args(pd).prefill_engine.num_speculative_tokens == 1
+    pd["prefill_engine"]["num_speculative_tokens"] = 0  # its pages would lack the MTP layer's rows
+    with pytest.raises(ConfigError, match="must both draft"):
+        AppConfig.from_args(pd)
     with pytest.raises(ConfigError, match=r"call resolved\(\) first"):
         AppConfig.from_args(_args("h200.yaml")).engine_config()
 

@@ -45,6 +45,13 @@ def test_generate_matches_engine_and_refuses_bad_ids(tiny_dir: Path) -> None:
                     "--json", "--num-gpu-pages", "16", "--kv-dtype", "fp8", "--enforce-eager", "--no-async-scheduling")
     assert eager.returncode == 0, eager.stderr
     assert json.loads(eager.stdout.splitlines()[0])["token_ids"] == first["token_ids"]
+    drafted = run_cli("generate", "--model", str(tiny_dir), "--prompt-token-ids", "10,20,30", "--max-tokens", "6",
+                      "--json", "--num-gpu-pages", "16", "--kv-dtype", "fp8", "--num-speculative-tokens", "2")
+    assert drafted.returncode == 0, drafted.stderr
+    lines = [json.loads(line) for line in drafted.stdout.splitlines()]
+    assert lines[0]["token_ids"] == first["token_ids"]
+    stats = lines[-1]["stats"]
+    assert stats["spec_decode_num_draft_tokens"] > 0 and "spec_decode_num_accepted_tokens" in stats
     bad = run_cli("generate", "--model", str(tiny_dir), "--prompt-token-ids", "1,2,99999", "--max-tokens", "3",
                   "--json")
     assert bad.returncode == 2
