@@ -4,7 +4,7 @@ Shaped like Ray Serve LLM's prefill/decode pattern: the decode replica receives
 the request, asks a prefill replica to compute the prompt (`max_tokens=1`), gets
 back a KV handle, lands the pages in its own prefix cache (on GPU pages, or in
 its host pool when the GPU pool is short) and then generates locally. Remote prefill happens only when a prefill deployment exists and the
-part of the prompt this replica does not already cache is at least
+part of the prompt this replica does not already cache (on the GPU or in its host tier) is at least
 `disagg.min_transfer_tokens` long; only that part is moved. Any failure of the
 remote path (prefill replica dead or saturated, object lost, export refused,
 timeout) is logged and counted, and the replica prefills locally: the request
@@ -59,9 +59,12 @@ class DecodeServer(EngineServer):
     async def _prefill_remotely(self, req: GenerateRequest) -> None:
         """Lands the prompt's KV computed by a prefill replica; on any failure leaves it to local prefill."""
         ids = req.prompt_token_ids
-        held = await self.engine.run_in_engine(lambda e: cached_prefix_tokens(e, ids))
+        # The export starts after what the GPU holds; whether to ask for one at all counts the host tier too:
+        # under pressure a conversation's older pages live on the host, and its next turn only adds a little.
+        held, reused = await self.engine.run_in_engine(
+            lambda e: (cached_prefix_tokens(e, ids), e.kv.reusable_prefix_tokens(ids)))
         reusable = (len(ids) - 1) // self._reuse_unit * self._reuse_unit
-        if reusable - held < self._min_transfer_tokens:
+        if reusable - max(held, reused) < self._min_transfer_tokens:
             self.counters["local_prefills"] += 1
             return
         started = time.monotonic()

@@ -124,35 +124,54 @@ class KVCacheManager:
         req.indexer_pages.append(copy)
         return True
 
-    def _extend_from_host(self, req: Request, max_pages: int) -> None:
-        """Continues a prefix match in the host pool: MLA pages stay host-only (the request starts
-        mixed or none, with a hot buffer), indexer pages are copied back to the GPU."""
+    def reusable_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Tokens of `token_ids` a request would find cached at admission: on the GPU, and past them in the host
+        tier when the policy runs requests from host pages. Takes nothing (a P/D decode replica asks this before
+        sending a prompt to a prefill replica: a conversation's older pages may live on the host alone)."""
+        if not self.enable_prefix_cache:
+            return 0
+        hashes, mla, idx = self.lookup_prefix(token_ids)
+        host_mla: list[int] = []
+        if self.residency is not None and self.residency.config.traits.runs_from_host:
+            host_mla, _ = self._find_on_host(hashes, len(mla), len(idx), (len(token_ids) - 1) // self.page_size)
+        return (len(mla) + len(host_mla)) * self.page_size
+
+    def _find_on_host(self, hashes: list[bytes], num_mla: int, num_indexer: int, max_pages: int
+                      ) -> tuple[list[int], list[tuple[int | None, int | None]]]:
+        """How a prefix matched on the GPU up to `num_mla` MLA and `num_indexer` indexer pages continues in the
+        host pool, in whole indexer pages: (host pages of the further MLA pages, (GPU page, host page) of each
+        further indexer page, either may be None but not both). Takes nothing."""
         host = self.residency.host
         per_idx = self.indexer_page_tokens // self.page_size
-        found: list[tuple[int | None, int | None]] = []  # (gpu page, host page) per MLA page
-        for i in range(len(req.mla_pages), min(max_pages, len(req.page_hashes))):
-            page = host.cache.lookup(PageUse.MLA, req.page_hashes[i])
+        found: list[int] = []
+        for i in range(num_mla, min(max_pages, len(hashes))):
+            page = host.cache.lookup(PageUse.MLA, hashes[i])
             if page is None:
                 break
-            found.append((None, page))
-        idx_found: list[tuple[int | None, int]] = []
-        for j in range(len(req.indexer_pages), (len(req.mla_pages) + len(found)) // per_idx):
-            key = req.page_hashes[(j + 1) * per_idx - 1]
+            found.append(page)
+        idx_found: list[tuple[int | None, int | None]] = []
+        for j in range(num_indexer, (num_mla + len(found)) // per_idx):
+            key = hashes[(j + 1) * per_idx - 1]
             gpu = self.cache.lookup(PageUse.INDEXER, key)
             hp = host.cache.lookup(PageUse.INDEXER, key)
             if gpu is None and hp is None:
                 break
             idx_found.append((gpu, hp))
-        keep_mla = len(req.indexer_pages) * per_idx + len(idx_found) * per_idx - len(req.mla_pages)
-        found = found[: max(keep_mla, 0)]
-        idx_found = idx_found[: (len(req.mla_pages) + len(found)) // per_idx - len(req.indexer_pages)]
+        found = found[: max((num_indexer + len(idx_found)) * per_idx - num_mla, 0)]
+        return found, idx_found[: (num_mla + len(found)) // per_idx - num_indexer]
+
+    def _extend_from_host(self, req: Request, max_pages: int) -> None:
+        """Continues a prefix match in the host pool: MLA pages stay host-only (the request starts
+        mixed or none, with a hot buffer), indexer pages are copied back to the GPU."""
+        host = self.residency.host
+        found, idx_found = self._find_on_host(req.page_hashes, len(req.mla_pages), len(req.indexer_pages), max_pages)
         copies = sum(1 for gpu, _ in idx_found if gpu is None)
         revived = self.cache.revival_cost([gpu for gpu, _ in idx_found if gpu is not None])
         if not found or copies + revived + self.residency.hot.pages_per_lease > self.cache.num_available:
             return
-        for _, hp in found:
+        for hp in found:
             host.cache.acquire(hp)
-        req.host_pages = [None] * len(req.mla_pages) + [hp for _, hp in found]
+        req.host_pages = [None] * len(req.mla_pages) + found
         req.pages_changed_at(0)
         req.mla_pages += [None] * len(found)
         loads: list[tuple[int, int]] = []  # (host page, GPU page) of indexer pages found only on host

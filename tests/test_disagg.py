@@ -408,17 +408,23 @@ class _Metrics:
         pass
 
 
-def _decode(tiny_dir: Path, prefill: _StubPrefill, req: GenerateRequest) -> tuple[DecodeServer, list[GenerateChunk]]:
-    """Runs `req` on a decode replica's state (without Serve) whose prefill deployment is `prefill`."""
+def _decode(tiny_dir: Path, prefill: _StubPrefill, req: GenerateRequest, num_gpu_pages: int = 64,
+            hisparse: HiSparseConfig | None = None, setup: Callable[[LLMEngine], None] | None = None
+            ) -> tuple[DecodeServer, list[GenerateChunk]]:
+    """Runs `req` on a decode replica's state (without Serve) whose prefill deployment is `prefill`; `setup`
+    runs first on its engine."""
 
     async def run() -> tuple[DecodeServer, list[GenerateChunk]]:
         server = object.__new__(DecodeServer)  # the replica's state without Serve
         server._config = AppConfig.from_args({"model": {"path": str(tiny_dir)}})
-        server.engine = AsyncEngine(EngineConfig(model=str(tiny_dir), num_gpu_pages=64))
+        server.engine = AsyncEngine(EngineConfig(model=str(tiny_dir), num_gpu_pages=num_gpu_pages,
+                                                 hisparse=hisparse or HiSparseConfig()))
         server.counters, server.metrics = collections.Counter(), _Metrics()
         server._prefill = prefill
         server._min_transfer_tokens = server._reuse_unit = PAGE
         try:
+            if setup is not None:
+                await server.engine.run_in_engine(setup)
             return server, [chunk async for chunk in server.generate(req)]
         finally:
             server.engine.shutdown()
@@ -452,4 +458,33 @@ def test_decode_prefills_locally_when_the_export_is_of_another_version(
     last = chunks[-1]  # served all the same, its prompt computed here
     assert (last.finished, last.error_status, last.num_output_tokens, last.num_cached_tokens) == (True, None, 4, 0)
     [reference] = make_engine(tiny_dir, num_gpu_pages=64).generate([ids], [greedy(4)])
+    assert "".join(c.text_delta for c in chunks) == reference.text
+
+
+def test_decode_reuses_a_prefix_held_on_the_host_without_a_transfer(
+    tiny_dir: Path, engines: tuple[LLMEngine, LLMEngine]
+) -> None:
+    """A conversation's next turn whose earlier pages the decode replica holds only in its host tier (hybrid
+    under pressure) adds a few tokens: it is prefilled here, from the host pages, not sent to a prefill
+    replica to be computed and moved again whole."""
+    prefill, _ = engines
+    turn = _prompt(2 * PAGE + 10, seed=21)
+    export = _prefill_and_export(prefill, turn)
+    next_turn = turn + _prompt(40, seed=22)
+
+    def land_on_host(engine: LLMEngine) -> None:
+        assert land_prefix(engine, turn, export).tier == "host"
+        assert cached_prefix_tokens(engine, next_turn) == 0  # nothing of it on the GPU
+        assert engine.kv.reusable_prefix_tokens(next_turn) == 2 * PAGE
+
+    def refuse(req: PrefillRequest) -> KVHandle:
+        raise AssertionError(f"{req.request_id}: a prefix held on the host was sent to the prefill replica")
+
+    stub = _StubPrefill(refuse)
+    server, chunks = _decode(tiny_dir, stub, GenerateRequest("r3", next_turn, greedy(4)), num_gpu_pages=16,
+                             hisparse=HiSparseConfig(policy="hybrid", host_pool_gib=0.05), setup=land_on_host)
+    assert stub.requests == [] and server.counters["local_prefills"] == 1
+    last = chunks[-1]
+    assert (last.finished, last.error_status, last.num_cached_tokens) == (True, None, 2 * PAGE)
+    [reference] = make_engine(tiny_dir, num_gpu_pages=64).generate([next_turn], [greedy(4)])
     assert "".join(c.text_delta for c in chunks) == reference.text
