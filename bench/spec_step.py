@@ -1,0 +1,172 @@
+"""Speculative decoding's step against decoding one token a step, at one rank's share of GLM-5.3 (TP 8).
+
+For k = 0 .. `--drafts` draft tokens a step and each batch size B, the step's wall time (steps back to back)
+and its GPU time (torch.profiler), at two depths (4 and 8 layers, with the MTP layer on top), so the
+per-layer time and the fixed part (sampling, the MTP layer's drafting, outputs) separate, as in
+bench/step.py whose shapes and contexts this reuses. Two draft sources whose acceptance is known:
+`mtp`, the MTP layer itself (random weights: nearly no draft accepted, the worst case), and `replay`,
+the output of the same engine's `mtp` run of the same prompts fed back as drafts (`LLMEngine.replay_drafts`:
+every draft the target agrees with is accepted, the best case). Tokens a step yields per request are
+measured (1 + accepted / verifying requests, from the engine's `spec_decode_*` counters).
+
+The 78-layer TPOT is the 78-layer step (fixed + 78 x per layer + two all-reduces a layer, `--allreduce-us`,
+and the logits' gather) divided by the tokens a step yields: at the measured acceptance, and at
+`--acceptance` tokens a step (GLM-5's published 3.5 for 4 drafts; capped at k + 1). Both from wall time
+and from GPU time (what a step costs once its launches are free). Steps with drafts run eagerly (they are
+not captured as graphs yet), so k = 0 runs in both modes: `graph` is the baseline a server runs today,
+`eager` the same launches as the drafting steps.
+
+    python bench/spec_step.py [--drafts 3] [--batches 1 8 32 64] [--contexts 8100] [--out rows.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.step import TP, VOCAB, build_contexts, device_ms_per_step, rank_config  # noqa: E402
+from bench.timing import hbm_copy_gbs  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.kv_layout import KVLayout  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from engine.model_config import ModelConfig  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+
+logger = logging.getLogger("bench.spec_step")
+
+
+@dataclass
+class Measured:
+    step_ms: float  # wall time of a step, steps back to back
+    device_ms: float  # GPU kernel time of a step
+    tokens_per_step: float  # tokens a step yields per verifying request (1 without drafts)
+
+
+def _engine(model_dir: str, k: int, mode: str, pages: int, args: argparse.Namespace) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=model_dir, dtype="bfloat16", kv_dtype="fp8", device="cuda", num_gpu_pages=pages, random_weights=True,
+        quantization="fp8", max_num_seqs=max(args.batches), max_num_batched_tokens=args.chunk,
+        max_model_len=max(args.contexts) + 64 + args.tokens, enable_prefix_cache=True,
+        enforce_eager=mode == "eager", num_speculative_tokens=k))
+
+
+def measure(engine: LLMEngine, prompts: list[list[int]], tokens: int, replay: list[list[int]] | None,
+            warmup: int = 3, steps: int = 8) -> tuple[Measured, list[list[int]]]:
+    """The batch's step times after its prefill and a warm-up; returns them and every request's output."""
+    ids = [f"spec-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=tokens, ignore_eos=True))
+        if replay is not None:
+            engine.replay_drafts(rid, replay[i])
+    while any(not r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill of each prompt's uncached tail
+    for _ in range(warmup):
+        engine.step()
+    before = dict(engine.spec_stats.as_dict())
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) * 1e3 / steps
+    after = engine.spec_stats.as_dict()
+    drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    device = device_ms_per_step(engine)
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.token_ids
+    return Measured(step_ms, device, 1.0 + accepted / drafts if drafts else 1.0), [outputs[r] for r in ids]
+
+
+def run(args: argparse.Namespace, k: int, mode: str, layers: int, pages: int
+        ) -> dict[tuple[str, int, int], Measured]:
+    """(source, context, B) -> measured, for one engine of `layers` layers drafting `k` tokens a step."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps({**rank_config(layers, True), "num_nextn_predict_layers": 1}))
+        engine = _engine(tmp, k, mode, pages, args)
+        results = {}
+        for ctx in args.contexts:
+            prompts = build_contexts(engine, ctx, max(args.batches), seed=ctx)
+            for batch in args.batches:
+                measured, outputs = measure(engine, prompts[:batch], args.tokens, None)
+                results[("mtp", ctx, batch)] = measured
+                if k:
+                    results[("replay", ctx, batch)], _ = measure(engine, prompts[:batch], args.tokens, outputs)
+                logger.info("k %d %s %d layers ctx %d B %d: %s", k, mode, layers, ctx, batch,
+                            {s: round(m.step_ms, 2) for (s, c, b), m in results.items() if (c, b) == (ctx, batch)})
+        engine.shutdown()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+        return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--drafts", type=int, default=3, help="the largest k measured (from 0)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[8100])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--depths", type=int, nargs=2, default=[4, 8])
+    parser.add_argument("--tokens", type=int, default=64, help="output tokens of each request")
+    parser.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens of the prefill")
+    parser.add_argument("--pool-gib", type=float, default=60.0, help="KV pool of the engine")
+    parser.add_argument("--allreduce-us", type=float, default=10.0, help="one TP8 all-reduce of a step's rows")
+    parser.add_argument("--gather-gbs", type=float, default=300.0, help="NVLink bandwidth of the logits' gather")
+    parser.add_argument("--acceptance", type=float, default=3.5,
+                        help="tokens a step yields at the stated acceptance (capped at k + 1)")
+    parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON lines here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"HBM copy {hbm_copy_gbs():.0f} GB/s", flush=True)
+    shallow, deep = args.depths
+    layout = KVLayout.for_model(ModelConfig.from_dict(rank_config(deep, True)), "fp8", draft_layers=1)
+    pages = int(args.pool_gib * 2**30 // layout.page_bytes)
+    rows = []
+    runs = [(0, "graph"), (0, "eager")] + [(k, "eager") for k in range(1, args.drafts + 1)]
+    for k, mode in runs:
+        t_shallow, t_deep = run(args, k, mode, shallow, pages), run(args, k, mode, deep, pages)
+        for (source, ctx, batch), deep_m in t_deep.items():
+            shallow_m = t_shallow[(source, ctx, batch)]
+            row = dict(k=k, mode=mode, source=source, ctx=ctx, B=batch, tokens_per_step=deep_m.tokens_per_step)
+            for clock, a, b in (("wall", shallow_m.step_ms, deep_m.step_ms),
+                                ("device", shallow_m.device_ms, deep_m.device_ms)):
+                per_layer = (b - a) / (deep - shallow)
+                fixed = a - shallow * per_layer
+                rows_per_step = batch * (k + 1)
+                gather = args.allreduce_us / 1e3 + rows_per_step * VOCAB * 4 * (TP - 1) / TP / (args.gather_gbs * 1e6)
+                step78 = fixed + gather + 78 * (per_layer + 2 * args.allreduce_us / 1e3)
+                stated = min(args.acceptance, k + 1.0)
+                row.update({f"{clock}_layer_ms": per_layer, f"{clock}_fixed_ms": fixed, f"{clock}_step78_ms": step78,
+                            f"{clock}_tpot78_ms": step78 / deep_m.tokens_per_step,
+                            f"{clock}_tpot78_stated_ms": step78 / stated})
+            rows.append(row)
+            if args.out:
+                with args.out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+    base = {(r["ctx"], r["B"]): r for r in rows if r["k"] == 0 and r["mode"] == "graph"}
+    print(f"\n{'k':>2} {'mode':6} {'source':7} {'ctx':>6} {'B':>4} {'tok/st':>6} {'layer':>7} {'fixed':>7} "
+          f"{'dev/l':>7} {'step78':>7} {'TPOT':>7} {'TPOT@a':>7} {'devTPOT@a':>9} {'x graph k0':>10}")
+    for r in rows:
+        ref = base[(r["ctx"], r["B"])]["device_tpot78_ms"]
+        print(f"{r['k']:>2} {r['mode']:6} {r['source']:7} {r['ctx']:>6} {r['B']:>4} {r['tokens_per_step']:6.2f} "
+              f"{r['wall_layer_ms']:7.3f} {r['wall_fixed_ms']:7.2f} {r['device_layer_ms']:7.3f} "
+              f"{r['wall_step78_ms']:7.1f} {r['wall_tpot78_ms']:7.2f} {r['wall_tpot78_stated_ms']:7.2f} "
+              f"{r['device_tpot78_stated_ms']:9.2f} {r['device_tpot78_stated_ms'] / ref:10.2f}")
+
+
+if __name__ == "__main__":
+    main()
