@@ -283,6 +283,7 @@ class LLMEngine:
         proposals = result[len(params) + len(completing) :]
         outputs: list[RequestOutput] = []
         rejected: dict[str, int] = {}
+        finishing: list[tuple[Request, FinishReason]] = []  # ended by a token of this step: finished below
         start = 0
         for i, s in enumerate(completing):
             req, drafts, accepted = s.request, s.num_drafts, accepted_counts[i]
@@ -290,13 +291,14 @@ class LLMEngine:
             start += drafts + 1
             self.spec_stats.record(drafts, accepted)
             rejected[req.request_id] = drafts - accepted
+            ended = len(finishing)
             for token in tokens:
-                outputs.append(self._complete(req, token))
-                if req.is_finished:
+                outputs.append(self._complete(req, token, finishing))
+                if req.is_finished or len(finishing) > ended:
                     break
             limit = self._draft_limit(req)
             replayed = self._replayed_drafts.get(req.request_id)
-            if req.is_finished:
+            if req.is_finished or len(finishing) > ended:
                 req.draft_token_ids = []
                 self._replayed_drafts.pop(req.request_id, None)
             elif replayed is not None:
@@ -304,7 +306,11 @@ class LLMEngine:
                 req.draft_token_ids = replayed[done : done + limit]
             else:
                 req.draft_token_ids = proposals[i * k : i * k + limit]
+        # The accepted rows count and their pages register (the accepted drafts are outputs now), also for the
+        # requests this step ends; then those end.
         self.scheduler.after_step(out, rejected)
+        for req, reason in finishing:
+            self.scheduler.finish(req, reason)
         self._record_states()
         return outputs
 
@@ -324,10 +330,13 @@ class LLMEngine:
         left = req.params.max_tokens - len(req.output_token_ids) - 1
         return max(0, min(self.num_speculative_tokens, left, self.max_model_len - req.num_tokens))
 
-    def _complete(self, req: Request, token: int) -> RequestOutput:
-        """Appends `req`'s token (stop conditions, text); a failure here ends `req` alone, not the step."""
+    def _complete(self, req: Request, token: int,
+                  finishing: list[tuple[Request, FinishReason]] | None = None) -> RequestOutput:
+        """Appends `req`'s token (stop conditions, text); a failure here ends `req` alone, not the step.
+        With `finishing`, a request its token ends is listed there for the caller to finish (its pages are
+        still to register), not finished here."""
         try:
-            return self._append(req, token)
+            return self._append(req, token, finishing)
         except Exception as exc:  # noqa: BLE001 - the request gets the failure; the batch goes on
             logger.exception("request %s failed; ending it alone", req.request_id)
             return self._fail(req, exc)
@@ -352,7 +361,8 @@ class LLMEngine:
             error=f"{type(exc).__name__}: {exc}",
         )
 
-    def _append(self, req: Request, token: int) -> RequestOutput:
+    def _append(self, req: Request, token: int,
+                finishing: list[tuple[Request, FinishReason]] | None = None) -> RequestOutput:
         req.output_token_ids.append(token)
         state = self._text[req.request_id]
         is_eos = not req.params.ignore_eos and token in self.eos_token_ids
@@ -362,7 +372,10 @@ class LLMEngine:
         if reason is not None:
             if not state.stop_hit and state.detok:
                 state.text += state.detok.flush()
-            self.scheduler.finish(req, reason)
+            if finishing is None:
+                self.scheduler.finish(req, reason)
+            else:
+                finishing.append((req, reason))
         delta_end = len(state.text) if reason is not None else self._safe_text_end(req, state)
         delta = state.text[state.emitted : delta_end]
         state.emitted = max(state.emitted, delta_end)

@@ -141,3 +141,41 @@ def test_draft_iterations_replay_the_resolve(tiny_dir: Path, reference: list[lis
     assert _run(engine, [greedy(NEW_TOKENS)] * len(PROMPTS), [_corrupted(t, 5) for t in reference]) == reference
     assert per_step and all(n == full_layers for n in per_step)
     assert any(calls), "no step had requests with host-only pages"
+
+
+def test_split_ranks_draft_and_verify_like_one(tiny_dir: Path, reference: list[list[int]]) -> None:
+    """Two ranks (gloo) under hybrid pressure: every rank verifies, drafts and rolls back alike (the ranks'
+    leases and LRU tables are checked after every step) and the tokens are one rank's."""
+    engine = make_engine(tiny_dir, num_speculative_tokens=2, num_gpu_pages=16, enable_prefix_cache=False,
+                         tensor_parallel_size=2, hisparse=HiSparseConfig(policy="hybrid", host_pool_gib=0.05))
+    try:
+        assert _run(engine, [greedy(NEW_TOKENS)] * len(PROMPTS), [_corrupted(t, 4) for t in reference]) == reference
+        stats = engine.stats()
+        assert stats["pages_demoted"] > 0 and 0 < stats["spec_decode_num_accepted_tokens"]
+    finally:
+        engine.shutdown()
+
+
+def test_prefilled_kv_with_the_mtp_rows_moves_between_drafting_replicas(tiny_dir: Path) -> None:
+    """A drafting prefill replica's export carries the MTP layer's rows (one more member of the last group):
+    a drafting decode replica lands it and decodes the tokens it would compute itself; a replica that does not
+    draft has other pages and refuses the export, naming the difference."""
+    from disagg.kv_export import ExportMismatch, export_snapshot
+    from disagg.landing import land_prefix
+    from engine.prefix_transfer import snapshot_prefix
+
+    prefill = make_engine(tiny_dir, num_speculative_tokens=2, num_gpu_pages=64)
+    unit = prefill.layout.indexer_tokens_per_page  # the unit of reuse (its pages are larger than without MTP)
+    ids = _prompt(2 * unit + 50, seed=40)
+    prefill.generate([ids], [SamplingParams(max_tokens=1, ignore_eos=True)])
+    export = export_snapshot(snapshot_prefix(prefill.kv, prefill.executor, ids), "glm-tiny", prefill.layout, ids, 0)
+    decode = make_engine(tiny_dir, num_speculative_tokens=2, num_gpu_pages=64)
+    export.verify("glm-tiny", decode.layout, ids)
+    assert land_prefix(decode, ids, export).imported_tokens == 2 * unit
+    [out] = decode.generate([ids], [greedy(12)])
+    assert out.num_cached_tokens == 2 * unit
+    [local] = make_engine(tiny_dir, num_speculative_tokens=2, num_gpu_pages=64).generate([ids], [greedy(12)])
+    assert out.token_ids == local.token_ids
+    plain = make_engine(tiny_dir, num_gpu_pages=64)
+    with pytest.raises(ExportMismatch, match="page_bytes"):
+        export.verify("glm-tiny", plain.layout, ids)
