@@ -45,6 +45,7 @@ def _pressure_args(model_dir: Path) -> dict[str, Any]:
     args = tiny_args(model_dir)
     args["model_id"] = "glm-tiny-pressure"
     args["engine"]["num_gpu_pages"] = 24  # one long request holds most of it
+    args["engine"]["num_speculative_tokens"] = 2  # prefill and decode replicas draft (MTP rows in their pages)
     args["decode"]["num_cpus"] = args["prefill"]["num_cpus"] = 0.25
     return args
 
@@ -260,6 +261,14 @@ def test_metrics_reach_the_export_endpoint(cluster: None) -> None:
         return all(any(line.startswith(name) for line in lines) for name in wanted)
 
     wait_for(exported, 60)
+
+    def drafted() -> bool:  # the pressure app decodes with MTP drafts (test_kv_lands_in_the_host_pool... ran it)
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        return any(line.startswith("ray_vllm_spec_decode_num_draft_tokens_total{")
+                   and 'model_name="glm-tiny-pressure"' in line and not line.endswith(" 0.0")
+                   for line in text.splitlines())
+
+    wait_for(drafted, 60)
 
 
 def test_deleting_an_application_drains_its_streams(cluster: None) -> None:
