@@ -22,7 +22,6 @@ not captured as graphs yet), so k = 0 runs in both modes: `graph` is the baselin
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import sys
@@ -35,7 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.step import TP, VOCAB, build_contexts, device_ms_per_step, rank_config  # noqa: E402
+from bench.step import (  # noqa: E402
+    TP, VOCAB, build_contexts, device_ms_per_step, rank_config, release, wall_ms_per_step,
+)
 from bench.timing import hbm_copy_gbs  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
@@ -74,12 +75,7 @@ def measure(engine: LLMEngine, prompts: list[list[int]], tokens: int, replay: li
     for _ in range(warmup):
         engine.step()
     before = dict(engine.spec_stats.as_dict())
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - start) * 1e3 / steps
+    step_ms = wall_ms_per_step(engine, steps)
     after = engine.spec_stats.as_dict()
     drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
@@ -108,10 +104,7 @@ def run(args: argparse.Namespace, k: int, mode: str, layers: int, pages: int
                     results[("replay", ctx, batch)], _ = measure(engine, prompts[:batch], args.tokens, outputs)
                 logger.info("k %d %s %d layers ctx %d B %d: %s", k, mode, layers, ctx, batch,
                             {s: round(m.step_ms, 2) for (s, c, b), m in results.items() if (c, b) == (ctx, batch)})
-        engine.shutdown()
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        release(engine)
         return results
 
 

@@ -123,6 +123,17 @@ class Measured:
     experts_per_layer: float
 
 
+def wall_ms_per_step(engine: LLMEngine, steps: int) -> float:
+    """Mean wall time of `steps` steps back to back, as a server runs them (with asynchronous scheduling the
+    host prepares each step while the device runs the one before)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
 def device_ms_per_step(engine: LLMEngine, steps: int = 3) -> float:
     """Sum of the GPU kernels' own time over `steps` decode steps (torch.profiler), per step."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -160,14 +171,7 @@ def measure(engine: LLMEngine, prompts: list[list[int]], warmup: int = 4, steps:
         engine.step()
     with ExpertCounter(engine) as counter:
         engine.step()
-    # Steps back to back, as a server runs them (with asynchronous scheduling the host prepares each step
-    # while the device runs the one before): mean wall time per step over the run.
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - start) * 1e3 / steps
+    step_ms = wall_ms_per_step(engine, steps)
     device = device_ms_per_step(engine)
     while engine.has_unfinished():
         engine.step()
@@ -239,11 +243,16 @@ def run(args: argparse.Namespace, fp8: bool, mode: str, layers: int, pages: int)
                 results[(ctx, batch)] = measure(engine, prompts[:batch])
                 logger.info("%s %s %d layers ctx %d B %d: %.2f ms", "fp8" if fp8 else "bf16", mode, layers, ctx,
                             batch, results[(ctx, batch)].step_ms)
-        engine.shutdown()
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        release(engine)
         return results
+
+
+def release(engine: LLMEngine) -> None:
+    """Shuts `engine` down and hands its GPU memory back before the next engine is built."""
+    engine.shutdown()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def main() -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -125,3 +129,40 @@ def assert_pages_released(engine: LLMEngine) -> None:
     assert not engine.has_unfinished()
     assert engine.kv.num_pages_in_use() == 0
     assert engine.kv.pool.num_free + engine.kv.cache.num_cached == engine.kv.pool.num_pages
+
+
+def rewrite_checkpoint(src: Path, dst: Path,
+                       transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> Path:
+    """A copy of checkpoint `src` in `dst` whose shards' tensors `transform` changed (its index follows)."""
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    weight_map: dict[str, str] = {}
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = transform(load_file(str(dst / file)))
+        save_file(tensors, str(dst / file))
+        weight_map.update({k: file for k in tensors})
+    index["weight_map"] = weight_map
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def run_checked(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams],
+                replay: list[list[int]] | None = None) -> list[list[int]]:
+    """Runs `prompts` to the end step by step, checking the accounting after every step and that every page
+    is released at the end; returns each request's tokens. `replay`: each request's drafts are read from that
+    output (`LLMEngine.replay_drafts`)."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for i, (rid, prompt, p) in enumerate(zip(ids, prompts, params)):
+        engine.add_request(rid, prompt, p)
+        if replay is not None:
+            engine.replay_drafts(rid, replay[i])
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+        engine.check_integrity()
+    assert_pages_released(engine)
+    if engine.residency is not None:
+        assert engine.residency.host.num_in_use() == 0
+    return [tokens[rid] for rid in ids]

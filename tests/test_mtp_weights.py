@@ -9,14 +9,11 @@ without its draft layer.
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from engine.linear import WeightFormat
 from engine.memory_plan import weight_bytes
@@ -27,6 +24,7 @@ from engine.tp.tensor_parallel import TensorParallel
 from engine.weight_map import SCALE_SUFFIX, published_slots
 from engine.weights import dequantize_fp8_block, iter_checkpoint, load_weights, random_init
 from kernels.fp8_gemm import quantize_weight_blocks
+from tests.helpers import rewrite_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 MTP = "model.layers.6."  # the tiny model's MTP layer: num_hidden_layers is 6
@@ -65,21 +63,6 @@ def _published(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
-
-
-def _rewrite(src: Path, dst: Path, transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-             ) -> Path:
-    """A copy of checkpoint `src` whose shards' tensors `transform` changed."""
-    shutil.copytree(src, dst)
-    index = json.loads((dst / "model.safetensors.index.json").read_text())
-    weight_map: dict[str, str] = {}
-    for file in sorted(set(index["weight_map"].values())):
-        tensors = transform(load_file(str(dst / file)))
-        save_file(tensors, str(dst / file))
-        weight_map.update({k: file for k in tensors})
-    index["weight_map"] = weight_map
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
-    return dst
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -133,7 +116,7 @@ def test_an_fp8_eh_proj_loads_dequantised(fp8_dir: Path, tmp_path: Path) -> None
             tensors[name], tensors[name + SCALE_SUFFIX] = quantize_weight_blocks(tensors[name].float())
         return tensors
 
-    model_dir = _rewrite(fp8_dir, tmp_path / "fp8-eh", quantise_eh_proj)
+    model_dir = rewrite_checkpoint(fp8_dir, tmp_path / "fp8-eh", quantise_eh_proj)
     stored = _checkpoint(model_dir)
     model = _build(model_dir, True, 1)
     load_weights(model, model_dir, torch.bfloat16)
@@ -149,7 +132,7 @@ def test_mtp_layers_copies_and_indexer_are_never_read(tiny_dir: Path, tmp_path: 
                    if k.startswith("model.layers.0.self_attn.indexer.")}
         return {**tensors, **indexer}
 
-    model_dir = _rewrite(tiny_dir, tmp_path / "indexer", with_mtp_indexer)
+    model_dir = rewrite_checkpoint(tiny_dir, tmp_path / "indexer", with_mtp_indexer)
     cfg = ModelConfig.from_dir(model_dir)
     assert any(n.startswith(MTP + "self_attn.indexer.") for n in _checkpoint(model_dir))
     read = [t.name for t in iter_checkpoint(model_dir, cfg, num_draft_layers=1)]
@@ -163,7 +146,7 @@ def test_a_checkpoint_without_the_built_mtp_layer_fails_clearly(tiny_dir: Path, 
     def strip(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {k: v for k, v in tensors.items() if not k.startswith(MTP)}
 
-    stripped = _rewrite(tiny_dir, tmp_path / "stripped", strip)
+    stripped = rewrite_checkpoint(tiny_dir, tmp_path / "stripped", strip)
     load_weights(_build(stripped, False, 0), stripped, torch.float32)
     with pytest.raises(KeyError, match=r"lacks \d+ tensors .*model\.layers\.6\..*MTP layers \[6\]"):
         load_weights(_build(stripped, False, 1), stripped, torch.float32)

@@ -16,7 +16,7 @@ from engine.forward_batch import ForwardBatch
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from residency.config import HiSparseConfig
-from tests.helpers import assert_pages_released, greedy, make_engine
+from tests.helpers import greedy, make_engine, run_checked
 
 PROMPT_LENS = (250, 240, 230)
 NEW_TOKENS = 60
@@ -27,6 +27,7 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 PROMPTS = [_prompt(n, 30 + n) for n in PROMPT_LENS]
+GREEDY = [greedy(NEW_TOKENS)] * len(PROMPTS)
 
 
 def _engine(tiny_dir: Path, k: int, policy: str = "off", pages: int | None = None) -> LLMEngine:
@@ -35,29 +36,10 @@ def _engine(tiny_dir: Path, k: int, policy: str = "off", pages: int | None = Non
                        hisparse=HiSparseConfig(policy=policy, host_pool_gib=host))
 
 
-def _run(engine: LLMEngine, params: list[SamplingParams], replay: list[list[int]] | None = None) -> list[list[int]]:
-    """Runs PROMPTS to the end, checking the accounting after every step; returns each request's tokens."""
-    ids = [f"r{i}" for i in range(len(PROMPTS))]
-    for i, (rid, prompt, p) in enumerate(zip(ids, PROMPTS, params)):
-        engine.add_request(rid, prompt, p)
-        if replay is not None:
-            engine.replay_drafts(rid, replay[i])
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.token_ids
-        engine.check_integrity()
-    assert_pages_released(engine)
-    if engine.residency is not None:
-        assert engine.residency.host.num_in_use() == 0
-    return [tokens[rid] for rid in ids]
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_dir: Path) -> list[list[int]]:
     """Greedy tokens without drafts, the pool ample."""
-    return _run(_engine(tiny_dir, 0), [greedy(NEW_TOKENS)] * len(PROMPTS))
+    return run_checked(_engine(tiny_dir, 0), PROMPTS, GREEDY)
 
 
 def _corrupted(tokens: list[int], every: int) -> list[int]:
@@ -68,10 +50,10 @@ def _corrupted(tokens: list[int], every: int) -> list[int]:
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_mtp_drafts_keep_the_greedy_tokens(tiny_dir: Path, reference: list[list[int]], k: int) -> None:
     engine = _engine(tiny_dir, k)
-    assert _run(engine, [greedy(NEW_TOKENS)] * len(PROMPTS)) == reference
+    assert run_checked(engine, PROMPTS, GREEDY) == reference
     stats = engine.stats()
-    assert stats["spec_decode_num_draft_tokens"] > 0
-    assert stats["spec_decode_num_drafts"] <= stats["spec_decode_num_draft_tokens"] <= k * stats["spec_decode_num_drafts"]
+    drafts, draft_tokens = stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"]
+    assert 0 < drafts <= draft_tokens <= k * drafts
 
 
 @pytest.mark.parametrize(("policy", "pages"), [("off", None), ("hybrid", 16), ("offload", 16), ("preempt", 12)])
@@ -81,7 +63,7 @@ def test_replayed_drafts_accept_and_roll_back_exactly(tiny_dir: Path, reference:
     too; the tokens are the reference's and every rolled-back page is released."""
     engine = _engine(tiny_dir, 3, policy, pages)
     replay = [_corrupted(t, 5) for t in reference]
-    assert _run(engine, [greedy(NEW_TOKENS)] * len(PROMPTS), replay) == reference
+    assert run_checked(engine, PROMPTS, GREEDY, replay) == reference
     stats = engine.stats()
     accepted, drafted = stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"]
     assert 0 < accepted < drafted
@@ -96,7 +78,7 @@ def test_replayed_drafts_accept_and_roll_back_exactly(tiny_dir: Path, reference:
 
 def test_every_draft_of_the_run_itself_is_accepted(tiny_dir: Path, reference: list[list[int]]) -> None:
     engine = _engine(tiny_dir, 3)
-    assert _run(engine, [greedy(NEW_TOKENS)] * len(PROMPTS), reference) == reference
+    assert run_checked(engine, PROMPTS, GREEDY, reference) == reference
     stats = engine.stats()
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
     # A request's first token comes from its prefill; the others arrive up to four a step.
@@ -108,8 +90,8 @@ def test_sampling_with_drafts_is_reproducible_and_the_targets(tiny_dir: Path) ->
     is drawn from the target's distribution with the request's seed, whatever was drafted."""
     params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=11 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]
-    without = _run(_engine(tiny_dir, 0), params)
-    first, second = (_run(_engine(tiny_dir, 2), params) for _ in range(2))
+    without = run_checked(_engine(tiny_dir, 0), PROMPTS, params)
+    first, second = (run_checked(_engine(tiny_dir, 2), PROMPTS, params) for _ in range(2))
     assert first == second == without
 
 
@@ -138,7 +120,7 @@ def test_draft_iterations_replay_the_resolve(tiny_dir: Path, reference: list[lis
         return result
 
     engine.executor.launch_model = watching
-    assert _run(engine, [greedy(NEW_TOKENS)] * len(PROMPTS), [_corrupted(t, 5) for t in reference]) == reference
+    assert run_checked(engine, PROMPTS, GREEDY, [_corrupted(t, 5) for t in reference]) == reference
     assert per_step and all(n == full_layers for n in per_step)
     assert any(calls), "no step had requests with host-only pages"
 
@@ -149,7 +131,7 @@ def test_split_ranks_draft_and_verify_like_one(tiny_dir: Path, reference: list[l
     engine = make_engine(tiny_dir, num_speculative_tokens=2, num_gpu_pages=16, enable_prefix_cache=False,
                          tensor_parallel_size=2, hisparse=HiSparseConfig(policy="hybrid", host_pool_gib=0.05))
     try:
-        assert _run(engine, [greedy(NEW_TOKENS)] * len(PROMPTS), [_corrupted(t, 4) for t in reference]) == reference
+        assert run_checked(engine, PROMPTS, GREEDY, [_corrupted(t, 4) for t in reference]) == reference
         stats = engine.stats()
         assert stats["pages_demoted"] > 0 and 0 < stats["spec_decode_num_accepted_tokens"]
     finally:

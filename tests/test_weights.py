@@ -15,7 +15,7 @@ from engine.model import build_model
 from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
 from engine.weights import FP8_BLOCK, dequantize_fp8_block, load_weights
-from tests.helpers import LogitsRecorder, greedy, make_engine
+from tests.helpers import LogitsRecorder, greedy, make_engine, rewrite_checkpoint
 
 _DENSE = WeightFormat()
 
@@ -32,18 +32,6 @@ def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             scale[i, j] = s
             q[i * FP8_BLOCK : (i + 1) * FP8_BLOCK, j * FP8_BLOCK : (j + 1) * FP8_BLOCK] = (block / s).to(q.dtype)
     return q, scale
-
-
-def _rewrite_shards(src: Path, dst: Path, transform) -> None:  # noqa: ANN001
-    shutil.copytree(src, dst)
-    index = json.loads((dst / "model.safetensors.index.json").read_text())
-    new_map: dict[str, str] = {}
-    for file in sorted(set(index["weight_map"].values())):
-        tensors = transform(load_file(str(dst / file)))
-        save_file(tensors, str(dst / file))
-        new_map.update({k: file for k in tensors})
-    index["weight_map"] = new_map
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
 
 
 def test_dequantize_handles_partial_edge_blocks() -> None:
@@ -70,9 +58,9 @@ def test_fp8_checkpoint_loads_as_its_dequantised_weights(tiny_dir: Path, tmp_pat
         return {k: v for k, v in tensors.items() if not k.endswith(".ref")}
 
     fp8_dir, ref_dir = tmp_path / "fp8", tmp_path / "ref"
-    _rewrite_shards(tiny_dir, fp8_dir, lambda t: drop_refs(to_fp8(t)))
+    rewrite_checkpoint(tiny_dir, fp8_dir, lambda t: drop_refs(to_fp8(t)))
     # the same weights, already dequantised, as a plain float32 checkpoint
-    _rewrite_shards(tiny_dir, ref_dir, lambda t: {
+    rewrite_checkpoint(tiny_dir, ref_dir, lambda t: {
         (k.replace(".ref", ".weight")): v for k, v in to_fp8(t).items()
         if not k.endswith("_scale_inv") and not (k.endswith("proj.weight") and v.dtype == torch.float8_e4m3fn)
     })
@@ -109,7 +97,7 @@ def test_fused_expert_tensors_load(tiny_dir: Path, tmp_path: Path) -> None:
 
 def test_missing_and_mismatched_tensors_fail_clearly(tiny_dir: Path, tmp_path: Path) -> None:
     broken = tmp_path / "broken"
-    _rewrite_shards(tiny_dir, broken, lambda t: {k: v for k, v in t.items() if "lm_head" not in k})
+    rewrite_checkpoint(tiny_dir, broken, lambda t: {k: v for k, v in t.items() if "lm_head" not in k})
     with pytest.raises(KeyError, match="lacks"):
         make_engine(broken)
     with pytest.raises(FileNotFoundError):
@@ -120,7 +108,7 @@ def test_tied_lm_head_takes_each_ranks_rows_of_the_embedding(tiny_dir: Path, tmp
     """A checkpoint with tied embeddings and no lm_head tensor: each tensor-parallel rank's lm_head holds its
     vocabulary rows of the embedding, and the ranks' logits side by side are the single rank's."""
     tied = tmp_path / "tied"
-    _rewrite_shards(tiny_dir, tied, lambda t: {k: v for k, v in t.items() if "lm_head" not in k})
+    rewrite_checkpoint(tiny_dir, tied, lambda t: {k: v for k, v in t.items() if "lm_head" not in k})
     config = json.loads((tied / "config.json").read_text())
     (tied / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=True)))
     cfg = ModelConfig.from_dir(tied)

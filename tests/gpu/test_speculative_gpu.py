@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from residency.config import HiSparseConfig
-from tests.helpers import assert_pages_released, greedy, make_engine
+from tests.helpers import greedy, make_engine, run_checked
 
 PROMPT_LENS = (260, 250, 240, 230)
 NEW_TOKENS = 48
@@ -24,6 +24,10 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, 380, (n,), generator=torch.Generator().manual_seed(11 + n)).tolist() for n in PROMPT_LENS]
 
 
+def _params() -> list:
+    return [greedy(NEW_TOKENS)] * len(PROMPT_LENS)
+
+
 def _engine(tiny_dir: Path, k: int, pressure: bool):  # noqa: ANN202
     hisparse = HiSparseConfig(policy="hybrid", host_pool_gib=0.05) if pressure else HiSparseConfig()
     return make_engine(tiny_dir, device="cuda", dtype="bfloat16", kv_dtype="fp8",
@@ -31,27 +35,11 @@ def _engine(tiny_dir: Path, k: int, pressure: bool):  # noqa: ANN202
                        enable_prefix_cache=False, hisparse=hisparse, max_num_seqs=8)
 
 
-def _generate(engine, replay: list[list[int]] | None = None) -> list[list[int]]:  # noqa: ANN001
-    prompts = _prompts()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, greedy(NEW_TOKENS))
-        if replay is not None:
-            engine.replay_drafts(f"r{i}", replay[i])
-    out: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                out[o.request_id] = o.token_ids
-        engine.check_integrity()
-    assert_pages_released(engine)
-    return [out[f"r{i}"] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("pressure", [False, True], ids=["resident", "hybrid-pressure"])
 def test_replayed_drafts_are_accepted_and_keep_the_tokens(tiny_dir: Path, pressure: bool) -> None:
-    want = _generate(_engine(tiny_dir, 0, pressure))
+    want = run_checked(_engine(tiny_dir, 0, pressure), _prompts(), _params())
     engine = _engine(tiny_dir, 3, pressure)
-    assert _generate(engine, want) == want
+    assert run_checked(engine, _prompts(), _params(), want) == want
     stats = engine.stats()
     assert stats["spec_decode_num_accepted_tokens"] >= 0.9 * stats["spec_decode_num_draft_tokens"] > 0
     if pressure:
@@ -59,8 +47,8 @@ def test_replayed_drafts_are_accepted_and_keep_the_tokens(tiny_dir: Path, pressu
 
 
 def test_mtp_drafts_roll_back_under_pressure(tiny_dir: Path) -> None:
-    want = _generate(_engine(tiny_dir, 0, True))
+    want = run_checked(_engine(tiny_dir, 0, True), _prompts(), _params())
     engine = _engine(tiny_dir, 2, True)
-    got = _generate(engine)
+    got = run_checked(engine, _prompts(), _params())
     assert got == want
     assert engine.stats()["spec_decode_num_draft_tokens"] > 0
