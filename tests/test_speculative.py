@@ -161,3 +161,23 @@ def test_prefilled_kv_with_the_mtp_rows_moves_between_drafting_replicas(tiny_dir
     plain = make_engine(tiny_dir, num_gpu_pages=64)
     with pytest.raises(ExportMismatch, match="page_bytes"):
         export.verify("glm-tiny", plain.layout, ids)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_buffered_steps_match_eager_ones(tiny_dir: Path, reference: list[list[int]], sampled: bool) -> None:
+    """Verify-and-draft steps of decoding requests run through the rank's persistent buffers (three requests
+    padded to four, drafts near `max_tokens` padded to k rows): the tokens and acceptance of eager steps."""
+    params = ([SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, seed=5 + i, ignore_eos=True)
+               for i in range(len(PROMPTS))] if sampled else GREEDY)
+    replay = [_corrupted(t, 5) for t in reference]
+    runs = []
+    for enforce_eager in (True, False):
+        engine = make_engine(tiny_dir, num_speculative_tokens=3, enforce_eager=enforce_eager,
+                             enable_prefix_cache=False)
+        runs.append((run_checked(engine, PROMPTS, params, replay), engine.stats()["spec_decode_num_accepted_tokens"]))
+        graphs = engine.executor.worker.spec_graphs
+        if not enforce_eager:
+            assert [key.requests for key in graphs.steps_run] == [4] and sum(graphs.steps_run.values()) > 10
+    assert runs[0] == runs[1]
+    if not sampled:
+        assert runs[0][0] == reference

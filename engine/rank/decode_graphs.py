@@ -92,7 +92,7 @@ class GraphKey:
     sampler: SamplerMode
 
 
-class _Buffers:
+class StepBuffers:
     """Flat device buffers of the largest shape, with pinned host twins the step is staged in. A shape's
     tensors are views of their leading elements, so every shape reads the same memory."""
 
@@ -142,7 +142,7 @@ class DecodeGraphs:
         self.capture = pool.is_cuda
         rows, pages, idx_pages = self.batch_sizes[-1], self._pages(self.widths[-1]), self._indexer_pages(self.widths[-1])
         groups = len(layout.group_sizes)
-        self.buffers = _Buffers({
+        self.buffers = StepBuffers({
             "input_ids": (rows, torch.long), "prev_rows": (rows, torch.long), "positions": (rows, torch.long),
             "context_lens": (rows, torch.long),
             "mla_write_slots": (rows, torch.long), "indexer_write_slots": (rows, torch.long),

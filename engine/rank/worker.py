@@ -29,6 +29,7 @@ from engine.model import build_model
 from engine.model_config import ModelConfig
 from engine.page_tables import PageTableStore
 from engine.rank.decode_graphs import DecodeGraphs, GraphConfig
+from engine.rank.spec_graphs import SpecGraphs
 from engine.rank.speculative import speculative_step
 from engine.rank.step import StepInput, StepOutput
 from engine.sampler import SamplingBatch, sample
@@ -100,6 +101,7 @@ class Worker:
         self.residency: RankResidency | None = None  # set when the replica has a host tier
         self.graph_config = spec.graphs
         self.graphs: DecodeGraphs | None = None  # set with the pool unless enforce_eager
+        self.spec_graphs: SpecGraphs | None = None  # instead, when the replica drafts
         rows, pin = spec.graphs.max_batch, device.type == "cuda"
         self.last_tokens = torch.zeros(rows, dtype=torch.long, device=device)  # the last step's sampled ids
         # A speculative step answers k + 1 sampled tokens, the accepted count and k drafts per request.
@@ -130,7 +132,12 @@ class Worker:
             "rank %d KV pool: %d pages x %.2f MiB (%s rows)", self.rank, num_pages, self.layout.page_bytes / 2**20,
             self.layout.kv_format,
         )
-        if self.graph_config.enforce_eager or self.num_speculative_tokens:
+        if self.graph_config.enforce_eager:
+            return
+        if self.num_speculative_tokens:  # every step verifies and drafts: no plain decode steps to capture
+            self.spec_graphs = SpecGraphs(self.graph_config, self.model, self.layout, self.ops, pool, num_pages,
+                                          lambda logits, sampling: self.sample_logits(logits, sampling),
+                                          self.num_speculative_tokens)
             return
         # Looked up at each call, so a test's wrapper of `sample_logits` sees uncaptured steps too.
         self.graphs = DecodeGraphs(self.graph_config, self.model, self.layout, self.ops, pool, num_pages,
@@ -152,7 +159,10 @@ class Worker:
         self._after_mirrors()
         step = step.with_page_tables(self.page_tables)
         key = self.graphs.key_for(step) if self.graphs is not None else None
-        if step.draft is not None:
+        spec_key = self.spec_graphs.key_for(step) if self.spec_graphs is not None else None
+        if spec_key is not None:
+            tokens = self.spec_graphs.launch(spec_key, step)
+        elif step.draft is not None:
             tokens = self._speculative(step)
         elif key is not None:
             tokens = self.graphs.launch(key, step, self.residency, self.last_tokens)
@@ -199,6 +209,9 @@ class Worker:
         if self.graphs is not None:
             self.graphs.close()
             self.graphs = None
+        if self.spec_graphs is not None:
+            self.spec_graphs.close()
+            self.spec_graphs = None
 
     # --- residency, as the driver decided it -------------------------------------------
 

@@ -28,10 +28,10 @@ def _params() -> list:
     return [greedy(NEW_TOKENS)] * len(PROMPT_LENS)
 
 
-def _engine(tiny_dir: Path, k: int, pressure: bool):  # noqa: ANN202
+def _engine(tiny_dir: Path, k: int, pressure: bool, enforce_eager: bool = True):  # noqa: ANN202
     hisparse = HiSparseConfig(policy="hybrid", host_pool_gib=0.05) if pressure else HiSparseConfig()
     return make_engine(tiny_dir, device="cuda", dtype="bfloat16", kv_dtype="fp8",
-                       enforce_eager=True, num_speculative_tokens=k, num_gpu_pages=20 if pressure else 256,
+                       enforce_eager=enforce_eager, num_speculative_tokens=k, num_gpu_pages=20 if pressure else 256,
                        enable_prefix_cache=False, hisparse=hisparse, max_num_seqs=8)
 
 
@@ -52,3 +52,33 @@ def test_mtp_drafts_roll_back_under_pressure(tiny_dir: Path) -> None:
     got = run_checked(engine, _prompts(), _params())
     assert got == want
     assert engine.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("pressure", [False, True], ids=["resident", "hybrid-pressure"])
+def test_captured_speculative_steps_match_eager_ones(tiny_dir: Path, pressure: bool) -> None:
+    """Verify-and-draft steps of decoding requests replay as CUDA graphs (steps with host-only pages run
+    eagerly): the eager speculative steps' tokens and acceptance, and a replay never makes the host wait."""
+    want = run_checked(_engine(tiny_dir, 0, pressure), _prompts(), _params())
+    replay = [t[:5] + [(t[5] + 1) % 380] + t[6:] for t in want]  # one wrong draft a request
+    eager = _engine(tiny_dir, 3, pressure)
+    eager_tokens = run_checked(eager, _prompts(), _params(), replay)
+    engine = _engine(tiny_dir, 3, pressure, enforce_eager=False)
+    graphs = engine.executor.worker.spec_graphs
+    launch, replayed = graphs.launch, []
+
+    def checked(key, step):  # noqa: ANN001, ANN202
+        if not graphs.is_captured(key):
+            return launch(key, step)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = launch(key, step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        replayed.append(key)
+        return out
+
+    graphs.launch = checked
+    assert run_checked(engine, _prompts(), _params(), replay) == eager_tokens == want
+    assert len(replayed) > 5
+    stats, eager_stats = engine.stats(), eager.stats()
+    assert stats["spec_decode_num_accepted_tokens"] == eager_stats["spec_decode_num_accepted_tokens"]

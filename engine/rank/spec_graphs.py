@@ -1,0 +1,204 @@
+"""Speculative steps over persistent buffers, captured as CUDA graphs per shape.
+
+A verifying step whose requests all decode (each brings its last known token and its drafts, every row
+sampled) and hold all their pages on the GPU runs like a decode step (engine/rank/decode_graphs.py)
+through fixed views of buffers this rank allocates once. Each request takes exactly k + 1 rows: drafts
+it lacks (near its `max_tokens`) become padding rows that repeat its last row's position, write to the
+scratch page and are never accepted (`DraftInput.num_drafts` masks them). Requests are padded to the
+next batch size, page tables to the next width. The whole verify-and-draft step
+(engine/rank/speculative.py: the target forward, sampling, acceptance, the MTP layer's k passes) is one
+graph per `SpecGraphKey`; the step's real rows are gathered from its outputs afterwards, in the eager
+step's order. On the first step of a shape it runs through the buffers eagerly and is captured after;
+off the GPU the same buffers run without capture. Steps with prefill rows, or with requests whose pages
+live on the host (the captured resolve serves one row a request), run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention_ops import AttentionOps
+from engine.forward_batch import ForwardBatch
+from engine.kv_layout import KVLayout
+from engine.model import GlmMoeDsaForCausalLM
+from engine.rank.decode_graphs import GraphConfig, Sampler, StepBuffers, batch_sizes, context_widths
+from engine.rank.speculative import speculative_step
+from engine.rank.step import DraftInput, StepInput
+from engine.sampler import SamplerMode, SamplingBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SpecGraphKey:
+    """One captured shape: `requests` (padded) of k + 1 rows each."""
+
+    requests: int
+    context: int  # page-table width in tokens, the indexer's scoring width
+    sampler: SamplerMode
+
+
+class SpecGraphs:
+    """One rank's verify-and-draft runner for steps of decoding requests: buffers, graphs, padding."""
+
+    def __init__(self, config: GraphConfig, model: GlmMoeDsaForCausalLM, layout: KVLayout, ops: AttentionOps,
+                 pool: torch.Tensor, scratch_page: int, sampler: Sampler, num_speculative_tokens: int) -> None:
+        """`pool` includes `scratch_page`, which padding rows write and read."""
+        self.model, self.layout, self.ops, self.pool = model, layout, ops, pool
+        self.scratch_page, self.sampler = scratch_page, sampler
+        self.k = num_speculative_tokens
+        self.batch_sizes = batch_sizes(config.max_batch)
+        self.widths = context_widths(model.cfg.index_topk, config.max_model_len, layout.page_size)
+        self.capture = pool.is_cuda
+        requests = self.batch_sizes[-1]
+        rows, pages, idx_pages = requests * (self.k + 1), self._pages(self.widths[-1]), self._indexer_pages(
+            self.widths[-1])
+        self.buffers = StepBuffers({
+            "input_ids": (rows, torch.long), "positions": (rows, torch.long), "next_ids": (rows, torch.long),
+            "mla_write_slots": (rows, torch.long), "indexer_write_slots": (rows, torch.long),
+            "context_lens": (requests, torch.long), "num_drafts": (requests, torch.long),
+            "mla_page_table": (requests * pages, torch.long), "indexer_page_table": (requests * idx_pages, torch.long),
+            "inv_temperature": (rows, torch.float32), "greedy": (rows, torch.bool), "top_k": (rows, torch.long),
+            "top_p": (rows, torch.float32), "keys": (rows, torch.long), "real_rows": (rows, torch.long),
+        }, pool.device)
+        self._arange = torch.arange(rows, device=pool.device)
+        page = layout.page_size
+        # Distinct slots of the scratch page for the drafting passes' throwaway rows, one per request.
+        self._scratch_slots = scratch_page * page + torch.arange(requests, device=pool.device) % page
+        self._batches: dict[SpecGraphKey, ForwardBatch] = {}
+        self._graphs: dict[SpecGraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
+        self.steps_run: Counter[SpecGraphKey] = Counter()  # steps run through the buffers, by shape
+
+    def _pages(self, width: int) -> int:
+        return width // self.layout.page_size
+
+    def _indexer_pages(self, width: int) -> int:
+        return -(-width // self.layout.indexer_tokens_per_page)
+
+    def is_captured(self, key: SpecGraphKey) -> bool:
+        return key in self._graphs
+
+    def key_for(self, step: StepInput) -> SpecGraphKey | None:
+        """The shape `step` runs as, or None when it must run eagerly: it has rows that sample nothing (a
+        prefill chunk), a request with host-only pages, or more requests or context than the buffers hold."""
+        if (step.draft is None or step.nonresident_tokens or step.num_logits != int(step.input_ids.shape[0])
+                or step.num_requests > self.batch_sizes[-1]):
+            return None
+        width = next((w for w in self.widths if w >= max(step.context_lens)), None)
+        if width is None:
+            return None
+        requests = next(b for b in self.batch_sizes if b >= step.num_requests)
+        return SpecGraphKey(requests, width, step.sampling.mode)
+
+    def launch(self, key: SpecGraphKey, step: StepInput) -> torch.Tensor:
+        """Runs `step` as `key` (replays its graph, or runs through the buffers and captures after, on a
+        GPU). Returns what `speculative_step` returns for the step itself: its rows' tokens in its own order,
+        then each request's accepted count and drafts; the host has not waited for them."""
+        batch, real_rows = self._fill(key, step)
+        self.steps_run[key] += 1
+        captured = self._graphs.get(key)
+        if captured is not None:
+            graph, out = captured
+            graph.replay()
+        else:
+            out = self._forward(key, batch)
+            if self.capture:
+                start = time.perf_counter()
+                self._capture(key, batch)
+                logger.info("captured the speculative graph of %s in %.0f ms", key,
+                            1e3 * (time.perf_counter() - start))
+        rows, n = key.requests * (self.k + 1), step.num_requests
+        return torch.cat([out[:rows][real_rows], out[rows : rows + n],
+                          out[rows + key.requests : rows + key.requests + n * self.k]])
+
+    def _forward(self, key: SpecGraphKey, batch: ForwardBatch) -> torch.Tensor:
+        view, n = self.buffers.view, key.requests
+        rows = n * (self.k + 1)
+        draft = DraftInput(next_ids=view("next_ids", rows), logit_starts=self._arange[:n] * (self.k + 1),
+                           num_drafts=view("num_drafts", n), num_speculative_tokens=self.k)
+        sampling = SamplingBatch(view("inv_temperature", rows), view("greedy", rows), view("top_k", rows),
+                                 view("top_p", rows), view("keys", rows), key.sampler)
+        return speculative_step(self.model, batch, self.pool, self.pool, self._scratch_slots, self.layout,
+                                self.ops, sampling, self.sampler, draft)
+
+    def _capture(self, key: SpecGraphKey, batch: ForwardBatch) -> None:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool_handle, capture_error_mode="thread_local"):
+            out = self._forward(key, batch)
+        self._graphs[key] = (graph, out)
+
+    def close(self) -> None:
+        self._graphs.clear()
+
+    def _fill(self, key: SpecGraphKey, step: StepInput) -> tuple[ForwardBatch, torch.Tensor]:
+        """Stages `step` into the buffers as `key`: request b's rows at b * (k + 1) on, padding rows after
+        them. Returns the key's batch and, for each of the step's rows in its own order, its padded row."""
+        per, n, buffers = self.k + 1, step.num_requests, self.buffers
+        rows, padded = key.requests * per, torch.arange(key.requests * per)
+        page, idx_page = self.layout.page_size, self.layout.indexer_tokens_per_page
+        starts = torch.tensor([start for start, _ in step.row_ranges])
+        counts = torch.tensor([end - start for start, end in step.row_ranges])
+        request = torch.arange(n).repeat_interleave(counts)
+        real = request * per + torch.arange(len(request)) - starts.repeat_interleave(counts)  # each row's padded row
+        last = torch.zeros(key.requests, dtype=torch.long)  # each request's last position (padding: 0)
+        last[:n] = step.positions[starts + counts - 1]
+
+        def spread(values: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+            out = fill.clone()
+            out[real] = values
+            return out
+
+        buffers.begin()
+        put = buffers.put
+        put("input_ids", (rows,), 0, spread(step.input_ids, torch.zeros(rows, dtype=torch.long)))
+        put("positions", (rows,), 0, spread(step.positions, last.repeat_interleave(per)))
+        put("next_ids", (rows,), -1)  # every row samples: the MTP layer reads each one's sampled token
+        for name, per_page in (("mla_write_slots", page), ("indexer_write_slots", idx_page)):
+            scratch = self.scratch_page * per_page + padded % per_page
+            put(name, (rows,), 0, spread(getattr(step, name), scratch))
+        put("context_lens", (key.requests,), 1, torch.tensor(step.context_lens))
+        put("num_drafts", (key.requests,), 0, step.draft.num_drafts)
+        pages, idx_pages = self._pages(key.context), self._indexer_pages(key.context)
+        put("mla_page_table", (key.requests, pages), self.scratch_page, step.mla_page_table)
+        put("indexer_page_table", (key.requests, idx_pages), self.scratch_page, step.indexer_page_table)
+        # Every row samples, so the step's sampling rows are its rows, in order (`key_for`).
+        for name, fill in (("inv_temperature", 1.0), ("greedy", True), ("top_k", 0), ("top_p", 1.0), ("keys", 0)):
+            values = getattr(step.sampling, name)
+            put(name, (rows,), fill, spread(values, torch.full((rows,), fill, dtype=values.dtype)))
+        put("real_rows", (len(real),), 0, real)
+        buffers.end()
+
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = self._batch(key)
+        batch.context_lens_host = [*step.context_lens, *[1] * (key.requests - n)]
+        return batch, buffers.view("real_rows", len(real))
+
+    def _batch(self, key: SpecGraphKey) -> ForwardBatch:
+        """The key's `ForwardBatch`: views of the buffers (the same tensors at every replay)."""
+        view, n, per = self.buffers.view, key.requests, self.k + 1
+        rows = n * per
+        return ForwardBatch(
+            input_ids=view("input_ids", rows),
+            positions=view("positions", rows),
+            req_of_row=torch.arange(n, device=self.pool.device).repeat_interleave(per),
+            mla_write_slots=view("mla_write_slots", rows),
+            indexer_write_slots=view("indexer_write_slots", rows),
+            mla_page_table=view("mla_page_table", n, self._pages(key.context)),
+            indexer_page_table=view("indexer_page_table", n, self._indexer_pages(key.context)),
+            context_lens=view("context_lens", n),
+            logits_rows=self._arange[:rows],
+            row_ranges=[(b * per, (b + 1) * per) for b in range(n)],
+            context_lens_host=[1] * n,
+            request_ids=[""] * n,
+            max_context=key.context,
+            page_size=self.layout.page_size,
+            indexer_tokens_per_page=self.layout.indexer_tokens_per_page,
+        )
+
