@@ -12,11 +12,11 @@ measured (1 + accepted / verifying requests, from the engine's `spec_decode_*` c
 The 78-layer TPOT is the 78-layer step (fixed + 78 x per layer + two all-reduces a layer, `--allreduce-us`,
 and the logits' gather) divided by the tokens a step yields: at the measured acceptance, and at
 `--acceptance` tokens a step (GLM-5's published 3.5 for 4 drafts; capped at k + 1). Both from wall time
-and from GPU time (what a step costs once its launches are free). Steps with drafts run eagerly (they are
-not captured as graphs yet), so k = 0 runs in both modes: `graph` is the baseline a server runs today,
-`eager` the same launches as the drafting steps.
+and from GPU time (what a step costs once its launches are free), in each of `--modes`: `graph` (decode and
+verify-and-draft steps replayed as CUDA graphs, engine/rank/spec_graphs.py) and `eager` (every kernel
+launched from Python). The last column divides each TPOT by k = 0's in graph mode, measured in the same run.
 
-    python bench/spec_step.py [--drafts 3] [--batches 1 8 32 64] [--contexts 8100] [--out rows.jsonl]
+    python bench/spec_step.py [--drafts 3] [--batches 1 8 32 64] [--contexts 8100] [--modes graph eager]
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--gather-gbs", type=float, default=300.0, help="NVLink bandwidth of the logits' gather")
     parser.add_argument("--acceptance", type=float, default=3.5,
                         help="tokens a step yields at the stated acceptance (capped at k + 1)")
+    parser.add_argument("--modes", nargs="+", default=["graph"], choices=["graph", "eager"])
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON lines here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -129,7 +130,7 @@ def main() -> None:
     layout = KVLayout.for_model(ModelConfig.from_dict(rank_config(deep, True)), "fp8", draft_layers=1)
     pages = int(args.pool_gib * 2**30 // layout.page_bytes)
     rows = []
-    runs = [(0, "graph"), (0, "eager")] + [(k, "eager") for k in range(1, args.drafts + 1)]
+    runs = [(k, mode) for mode in dict.fromkeys(["graph", *args.modes]) for k in range(args.drafts + 1)]
     for k, mode in runs:
         t_shallow, t_deep = run(args, k, mode, shallow, pages), run(args, k, mode, deep, pages)
         for (source, ctx, batch), deep_m in t_deep.items():

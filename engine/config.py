@@ -54,7 +54,7 @@ class EngineConfig:
     # one discarded row in N+1. Off: every step is read back before the next is scheduled.
     async_scheduling: bool = True
     # Draft tokens a step from the model's MTP layer (engine/mtp.py), verified by the next step's target
-    # forward (engine/speculative.py); 0 = off. Steps then run one after another (async scheduling is
+    # forward (engine/rank/speculative.py); 0 = off. Steps then run one after another (async scheduling is
     # off while drafting: the next step's rows depend on how many drafts this one accepted).
     num_speculative_tokens: int = 0
 
