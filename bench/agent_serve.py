@@ -35,6 +35,7 @@ from ray import serve
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.ray_workers import runtime_env  # noqa: E402
 from bench.timing import run_log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,12 +130,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parsed
 
 
-def worker_pythonpath(inherited: str) -> str:
-    """The Ray workers' PYTHONPATH: the repository (the app's modules) before the caller's own entries, which
-    may hold Ray itself (a site folder unpacked beside the interpreter) and must not be dropped."""
-    return os.pathsep.join([str(ROOT), *(p for p in inherited.split(os.pathsep) if p and p != str(ROOT))])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -142,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     http = yaml.safe_load(args.config.read_text()).get("http_options", {})
     host, port = http.get("host", "127.0.0.1"), args.port or http.get("port", 8000)
     ray.init(include_dashboard=False, _system_config={"metrics_report_interval_ms": REPORT_INTERVAL_MS},
-             runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath(os.environ.get("PYTHONPATH", ""))}})
+             runtime_env=runtime_env())
     codes = {}
     try:
         serve.start(http_options={"host": host, "port": port})

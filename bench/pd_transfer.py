@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from bench.ray_workers import runtime_env  # noqa: E402
 from bench.timing import OUT_DIR, run_log  # noqa: E402
 from disagg.kv_export import KVExport, export_snapshot  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
@@ -181,7 +182,7 @@ def main() -> int:
     group_bytes = (layout.indexer_tokens_per_page // layout.page_size + 1) * layout.page_bytes
     groups = [max(1, round(parse_size(s) / group_bytes)) for s in args.sizes.split(",")]
     num_gpus = 1 if torch.cuda.device_count() >= 2 else 0
-    ray.init(include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    ray.init(include_dashboard=False, log_to_driver=False, runtime_env=runtime_env())
     start = time.time()
     sender = Sender.options(num_gpus=num_gpus).remote(args.model, args.kv_format)
     receiver = Receiver.options(num_gpus=num_gpus).remote(args.model, args.kv_format)

@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import yaml
 
 from bench.agent_results import LEVELS_FILE, TURNS_FILE
-from bench.agent_serve import main, policy_config, worker_pythonpath
+from bench.agent_serve import main, policy_config
+from bench.ray_workers import worker_pythonpath
 from tests.serve_helpers import ROOT, free_port
 
 
