@@ -55,7 +55,8 @@ logger = logging.getLogger("bench.policies")
 
 # GLM-5.3's GPU pool (FP8 KV, 8x H200 at 0.92 utilisation) as engine.memory_plan gave it when these runs began,
 # held fixed so every recorded run has the same pressure; the plan of today's weights is in
-# notebooks/concurrency.ipynb (8,105 pages: the engine's FP8 weights as it holds them are larger).
+# notebooks/concurrency.ipynb (7,578 pages: the engine's FP8 weights as it holds them are larger, and the
+# MTP layer glm53.yaml drafts with adds its weights and a 79th row to every token).
 GLM53_GPU_PAGES = 9269
 GLM53_HOST_PAGES = 125907  # 384 GiB of GLM-5.3 pages
 
