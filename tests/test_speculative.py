@@ -16,7 +16,7 @@ from engine.forward_batch import ForwardBatch
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from residency.config import HiSparseConfig
-from tests.helpers import greedy, make_engine, run_checked
+from tests.helpers import assert_pages_released, greedy, make_engine, run_checked
 
 PROMPT_LENS = (250, 240, 230)
 NEW_TOKENS = 60
@@ -181,3 +181,49 @@ def test_buffered_steps_match_eager_ones(tiny_dir: Path, reference: list[list[in
     assert runs[0] == runs[1]
     if not sampled:
         assert runs[0][0] == reference
+
+
+def _stop_run(tiny_dir: Path, k: int, eos: int, stop: str, replay: dict[str, list[int]] | None):  # noqa: ANN202
+    """EOS, a stop string, max_tokens, max_model_len and an abort, each in one request (each its own
+    prompt); returns each finished request's (tokens, text, finish reason)."""
+    engine = make_engine(tiny_dir, num_speculative_tokens=k, max_model_len=120)
+    engine.eos_token_ids.add(eos)
+    params = {
+        "eos": SamplingParams(max_tokens=40),
+        "stop": greedy(40, stop=(stop,)),
+        "length": greedy(7),
+        "context": greedy(100),  # its 90-token prompt reaches max_model_len first
+        "aborted": greedy(40),
+    }
+    lengths = {"eos": 30, "stop": 37, "length": 44, "context": 90, "aborted": 58}
+    for i, (rid, p) in enumerate(params.items()):
+        engine.add_request(rid, _prompt(lengths[rid], i), p)
+        if replay is not None:
+            engine.replay_drafts(rid, replay[rid])
+    final, steps = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        engine.check_integrity()
+        steps += 1
+        if steps == 4:
+            assert engine.abort_request("aborted")
+    assert_pages_released(engine)
+    return {rid: (o.token_ids, o.text, o.finish_reason) for rid, o in final.items()}
+
+
+def test_stops_inside_accepted_drafts_end_like_decoding(tiny_dir: Path) -> None:
+    """A stop (EOS, a stop string, max_tokens, the context limit) that falls among a step's accepted drafts
+    ends the request there, with the text and finish reason of decoding one token a step."""
+    [free] = make_engine(tiny_dir).generate([_prompt(30, 0)], [greedy(40)])
+    [text_run] = make_engine(tiny_dir).generate([_prompt(37, 1)], [greedy(40)])
+    eos, stop = free.token_ids[9], text_run.text[4:7]
+    want = _stop_run(tiny_dir, 0, eos, stop, None)
+    assert [want[r][2] for r in ("eos", "stop", "length", "context")] == ["stop", "stop", "length", "length"]
+    # Drafts from an unbounded run of the same prompts: every one right, so stops land inside accepted runs.
+    unbounded = make_engine(tiny_dir, max_model_len=120)
+    lengths = (30, 37, 44, 90, 58)
+    outs = unbounded.generate([_prompt(n, i) for i, n in enumerate(lengths)], [greedy(29)] * 5)
+    replay = dict(zip(("eos", "stop", "length", "context", "aborted"), (o.token_ids for o in outs)))
+    assert _stop_run(tiny_dir, 3, eos, stop, replay) == want
