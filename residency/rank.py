@@ -53,6 +53,7 @@ class DecodeLeases:
     leases: list[list[LeaseState | None]]  # per group, per row: the request's tables (None: all pages resident)
     lease_table: torch.Tensor  # [G, D, LEASE_WIDTH] int64 the same tables by address, on the device
     step: torch.Tensor  # [1] int64 LRU stamp of the step, on the device
+    rows_per_lease: int = 1  # consecutive rows of each request (a verifying step's k + 1), every row: rows None
 
 
 class RankResidency:
@@ -220,19 +221,46 @@ class RankResidency:
 
     def resolve_decode(self, decode: DecodeLeases, group: int, positions: torch.Tensor,
                        lens: torch.Tensor) -> torch.Tensor:
-        """KV slots [D, K] for the decode rows of `decode`, in one resolve for the group that reads and
-        updates every request's own tables where they live. Reads nothing from the host."""
-        gpu, host = decode.gpu_pages, decode.host_pages
-        args = (positions.to(torch.int32), lens.to(torch.int32), gpu, host)
-        tail = (decode.step, self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host)
-        if self.pool.is_cuda:
-            result = resolve.resolve_lease_table(*args, decode.lease_table[group], _STAMP_DTYPE, _MAP_DTYPE, *tail)
-        else:
-            result = resolve.resolve_leases_reference(*args, decode.leases[group], *tail)
+        """KV slots [D x rows_per_lease, K] for the rows of `decode`, resolved for the group against every
+        request's own tables where they live. Reads nothing from the host and never waits for the device,
+        so a captured step can call it. Several rows of one request (a verifying step) resolve as the union
+        of their positions, in pieces of K under one step stamp (a step loads each host-only token once and
+        no piece evicts a slot the step uses); each row then finds its slots in the union."""
+        gpu, m = decode.gpu_pages, decode.rows_per_lease
         valid = torch.arange(positions.shape[1], device=gpu.device)[None, :] < lens[:, None]
         page = torch.where(valid, positions, 0).long() // PAGE_SIZE
-        self._count(group, (valid & (gpu.gather(1, page) < 0)).sum(), result.num_copied.sum())
-        return result.kv_slots.long().clamp(min=0)
+        host_only = valid & (gpu.repeat_interleave(m, dim=0).gather(1, page) < 0)
+        if m == 1:
+            result = self._resolve_leases(decode, group, positions.to(torch.int32), lens.to(torch.int32))
+            self._count(group, host_only.sum(), result.num_copied.sum())
+            return result.kv_slots.long().clamp(min=0)
+        width = positions.shape[1]
+        far = torch.iinfo(torch.int32).max  # sorts after every position
+        per_lease = torch.where(valid, positions, far).to(torch.int32).view(gpu.shape[0], m * width)
+        flat = per_lease.sort(dim=1).values
+        repeat = torch.zeros_like(flat, dtype=torch.bool)
+        repeat[:, 1:] = flat[:, 1:] == flat[:, :-1]
+        union = torch.where(repeat, far, flat).sort(dim=1).values
+        count = (union < far).sum(dim=1, dtype=torch.int32)
+        union_slots = torch.empty_like(union, dtype=torch.long)
+        copied = torch.zeros((), dtype=torch.long, device=gpu.device)
+        for begin in range(0, m * width, width):
+            piece = union[:, begin : begin + width].contiguous()
+            result = self._resolve_leases(decode, group, piece, (count - begin).clamp(0, width))
+            union_slots[:, begin : begin + width] = result.kv_slots.long()
+            copied += result.num_copied.sum()
+        at = torch.searchsorted(union, per_lease.contiguous()).clamp(max=m * width - 1)
+        self._count(group, host_only.sum(), copied)
+        return union_slots.gather(1, at).view(-1, width).clamp(min=0)
+
+    def _resolve_leases(self, decode: DecodeLeases, group: int, positions: torch.Tensor, lens: torch.Tensor
+                        ) -> resolve.ResolveResult:
+        """One resolve of positions [D, K] (int32, unique within a row), one row per lease of `decode`."""
+        args = (positions, lens, decode.gpu_pages, decode.host_pages)
+        tail = (decode.step, self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host)
+        if self.pool.is_cuda:
+            return resolve.resolve_lease_table(*args, decode.lease_table[group], _STAMP_DTYPE, _MAP_DTYPE, *tail)
+        return resolve.resolve_leases_reference(*args, decode.leases[group], *tail)
 
     def _count(self, group: int, lookups: torch.Tensor, misses: torch.Tensor) -> None:
         """Adds a resolve's counts on the device: they are read once per step, not once per resolve."""

@@ -227,3 +227,14 @@ def test_stops_inside_accepted_drafts_end_like_decoding(tiny_dir: Path) -> None:
     outs = unbounded.generate([_prompt(n, i) for i, n in enumerate(lengths)], [greedy(29)] * 5)
     replay = dict(zip(("eos", "stop", "length", "context", "aborted"), (o.token_ids for o in outs)))
     assert _stop_run(tiny_dir, 3, eos, stop, replay) == want
+
+
+def test_buffered_steps_resolve_host_only_pages_as_one_union(tiny_dir: Path, reference: list[list[int]]) -> None:
+    """Under hybrid pressure the verifying steps of requests with host-only pages run through the buffers too,
+    each request's k + 1 rows resolved as the union of their selections inside the step: the tokens are the
+    reference's, and rows came back from the host."""
+    engine = _engine(tiny_dir, 3, "hybrid", 16)
+    assert run_checked(engine, PROMPTS, GREEDY, [_corrupted(t, 5) for t in reference]) == reference
+    runs = engine.executor.worker.spec_graphs.steps_run
+    assert sum(n for key, n in runs.items() if key.resolves) > 5
+    assert engine.stats()["hot_misses"] > 0

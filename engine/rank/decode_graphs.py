@@ -148,11 +148,8 @@ class DecodeGraphs:
             "mla_write_slots": (rows, torch.long), "indexer_write_slots": (rows, torch.long),
             "mla_page_table": (rows * pages, torch.long), "indexer_page_table": (rows * idx_pages, torch.long),
             "inv_temperature": (rows, torch.float32), "greedy": (rows, torch.bool), "top_k": (rows, torch.long),
-            "top_p": (rows, torch.float32), "keys": (rows, torch.long),
-            "gpu_pages": (rows * pages, torch.int32), "host_pages": (rows * pages, torch.int32),
-            "lease_table": (groups * rows * LEASE_WIDTH, torch.long), "step": (1, torch.long),
+            "top_p": (rows, torch.float32), "keys": (rows, torch.long), **lease_buffers(rows, pages, groups),
         }, pool.device)
-        self._arange = torch.arange(rows, device=pool.device)
         self._batches: dict[GraphKey, ForwardBatch] = {}
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
@@ -221,24 +218,16 @@ class DecodeGraphs:
 
     def _forward(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
         hidden = self.model.hidden_states(batch, self.pool, self.layout, self.ops)
-        return self.sampler(self.model.logits(hidden), self._sampling(key))
+        return self.sampler(self.model.logits(hidden), sampling_views(self.buffers, key.rows, key.sampler))
 
     def _capture(self, key: GraphKey, batch: ForwardBatch) -> None:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool_handle, capture_error_mode="thread_local"):
-            tokens = self._forward(batch, key)
-        self._graphs[key] = (graph, tokens)
+        self._graphs[key] = capture_graph(self._pool_handle, lambda: self._forward(batch, key))
 
     def close(self) -> None:
         """Drops the graphs (a captured collective left alive hangs the process group's teardown)."""
         self._graphs.clear()
 
     # --- the buffers ----------------------------------------------------------------------
-
-    def _sampling(self, key: GraphKey) -> SamplingBatch:
-        view, n = self.buffers.view, key.rows
-        return SamplingBatch(view("inv_temperature", n), view("greedy", n), view("top_k", n), view("top_p", n),
-                             view("keys", n), key.sampler)
 
     def _fill(self, key: GraphKey, step: StepInput | None, residency: RankResidency | None,
               last_tokens: torch.Tensor | None) -> ForwardBatch:
@@ -266,7 +255,7 @@ class DecodeGraphs:
         sampling = None if step is None else step.sampling
         for name, fill in (("inv_temperature", 1.0), ("greedy", True), ("top_k", 0), ("top_p", 1.0), ("keys", 0)):
             put(name, (rows,), fill, None if sampling is None else getattr(sampling, name))
-        leases = self._fill_leases(key, step, residency) if key.resolves else None
+        leases = stage_leases(buffers, rows, pages, step, residency, self.scratch_page) if key.resolves else None
         buffers.end()
 
         batch = self._batches.get(key)
@@ -278,60 +267,93 @@ class DecodeGraphs:
             batch.decode_leases.leases = leases
         return batch
 
-    def _fill_leases(self, key: GraphKey, step: StepInput | None,
-                     residency: RankResidency | None) -> list[list]:
-        """Stages the resolve's page tables and lease table: host-only pages of the requests that have
-        them, the in-place pages of the others, the scratch page for padding."""
-        rows, pages, put = key.rows, self._pages(key.context), self.buffers.put
-        if residency is None:
-            raise RuntimeError("a resolving decode step needs this rank's host tier")
-        specs: list[NonResidentSpec | None] = [None] * rows
-        gpu = torch.full((rows, pages), self.scratch_page, dtype=torch.int32)
-        host = torch.full((rows, pages), -1, dtype=torch.int32)
-        if step is not None:
-            width = min(pages, step.mla_page_table.shape[1])
-            gpu[: step.num_requests, :width] = step.mla_page_table[:, :width]
-            for b, spec in step.nonresident.items():
-                specs[b] = spec
-                gpu[b, : spec.gpu_pages.numel()] = spec.gpu_pages
-                host[b, : spec.host_pages.numel()] = spec.host_pages
-        put("gpu_pages", (rows, pages), 0, gpu)
-        put("host_pages", (rows, pages), 0, host)
-        leases, table = residency.lease_rows(specs)
-        put("lease_table", (len(leases), rows, LEASE_WIDTH), 0, table)
-        put("step", (1,), 0 if step is None else step.step)  # the stamp is the fill value
-        return leases
-
     def _batch(self, key: GraphKey, residency: RankResidency | None) -> ForwardBatch:
         """The key's `ForwardBatch`: views of the buffers (the same tensors at every replay)."""
-        view, rows = self.buffers.view, key.rows
-        pages, idx_pages = self._pages(key.context), self._indexer_pages(key.context)
-        decode = None
-        if key.resolves:
-            decode = DecodeLeases(
-                rows=None,
-                gpu_pages=view("gpu_pages", rows, pages),
-                host_pages=view("host_pages", rows, pages),
-                leases=[],
-                lease_table=view("lease_table", len(self.layout.group_sizes), rows, LEASE_WIDTH),
-                step=view("step", 1),
-            )
-        return ForwardBatch(
-            input_ids=view("input_ids", rows),
-            positions=view("positions", rows),
-            req_of_row=self._arange[:rows],
-            mla_write_slots=view("mla_write_slots", rows),
-            indexer_write_slots=view("indexer_write_slots", rows),
-            mla_page_table=view("mla_page_table", rows, pages),
-            indexer_page_table=view("indexer_page_table", rows, idx_pages),
-            context_lens=view("context_lens", rows),
-            logits_rows=self._arange[:rows],
-            row_ranges=[(i, i + 1) for i in range(rows)],
-            context_lens_host=[1] * rows,
-            request_ids=[""] * rows,
-            max_context=key.context,
-            page_size=self.layout.page_size,
-            indexer_tokens_per_page=self.layout.indexer_tokens_per_page,
-            decode_leases=decode,
-            residency=residency,
-        )
+        pages = self._pages(key.context)
+        decode = lease_views(self.buffers, key.rows, pages, len(self.layout.group_sizes)) if key.resolves else None
+        return buffered_batch(self.buffers, self.layout, key.rows, 1, key.context, decode, residency)
+
+
+def buffered_batch(buffers: StepBuffers, layout: KVLayout, requests: int, rows_per_request: int, context: int,
+                   decode: DecodeLeases | None, residency: RankResidency | None) -> ForwardBatch:
+    """A shape's `ForwardBatch` over the buffers: `requests` of `rows_per_request` consecutive rows each, every
+    row sampled, page tables `context` tokens wide."""
+    view, rows = buffers.view, requests * rows_per_request
+    pages, idx_pages = context // layout.page_size, -(-context // layout.indexer_tokens_per_page)
+    arange = torch.arange(rows, device=buffers.device)
+    return ForwardBatch(
+        input_ids=view("input_ids", rows),
+        positions=view("positions", rows),
+        req_of_row=arange // rows_per_request,
+        mla_write_slots=view("mla_write_slots", rows),
+        indexer_write_slots=view("indexer_write_slots", rows),
+        mla_page_table=view("mla_page_table", requests, pages),
+        indexer_page_table=view("indexer_page_table", requests, idx_pages),
+        context_lens=view("context_lens", requests),
+        logits_rows=arange,
+        row_ranges=[(b * rows_per_request, (b + 1) * rows_per_request) for b in range(requests)],
+        context_lens_host=[1] * requests,
+        request_ids=[""] * requests,
+        max_context=context,
+        page_size=layout.page_size,
+        indexer_tokens_per_page=layout.indexer_tokens_per_page,
+        decode_leases=decode,
+        residency=residency,
+    )
+
+
+def capture_graph(pool: tuple, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`run` captured as a CUDA graph in the memory `pool` (shared by a runner's graphs); its output tensor,
+    rewritten at every replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out
+
+
+def sampling_views(buffers: StepBuffers, rows: int, mode: SamplerMode) -> SamplingBatch:
+    """The sampling parameters of `rows` rows as views of the buffers."""
+    view = buffers.view
+    return SamplingBatch(view("inv_temperature", rows), view("greedy", rows), view("top_k", rows), view("top_p", rows),
+                         view("keys", rows), mode)
+
+
+def lease_buffers(rows: int, pages: int, groups: int) -> dict[str, tuple[int, torch.dtype]]:
+    """The `StepBuffers` a resolving step stages its requests' residency in: `rows` requests of up to
+    `pages` pages, `groups` IndexShare groups."""
+    return {"gpu_pages": (rows * pages, torch.int32), "host_pages": (rows * pages, torch.int32),
+            "lease_table": (groups * rows * LEASE_WIDTH, torch.long), "step": (1, torch.long)}
+
+
+def lease_views(buffers: StepBuffers, rows: int, pages: int, groups: int, rows_per_lease: int = 1) -> DecodeLeases:
+    """A shape's `DecodeLeases` over the buffers (the same tensors at every replay); its per-step leases are
+    set by `stage_leases`."""
+    view = buffers.view
+    return DecodeLeases(rows=None, gpu_pages=view("gpu_pages", rows, pages), host_pages=view("host_pages", rows, pages),
+                        leases=[], lease_table=view("lease_table", groups, rows, LEASE_WIDTH), step=view("step", 1),
+                        rows_per_lease=rows_per_lease)
+
+
+def stage_leases(buffers: StepBuffers, rows: int, pages: int, step: StepInput | None,
+                 residency: RankResidency | None, scratch_page: int) -> list[list]:
+    """Stages a resolving step's page tables and lease table for `rows` requests: host-only pages of the
+    requests that have them, the in-place pages of the others, the scratch page for padding. Returns the
+    leases per group (the PyTorch twin reads them)."""
+    if residency is None:
+        raise RuntimeError("a resolving step needs this rank's host tier")
+    specs: list[NonResidentSpec | None] = [None] * rows
+    gpu = torch.full((rows, pages), scratch_page, dtype=torch.int32)
+    host = torch.full((rows, pages), -1, dtype=torch.int32)
+    if step is not None:
+        width = min(pages, step.mla_page_table.shape[1])
+        gpu[: step.num_requests, :width] = step.mla_page_table[:, :width]
+        for b, spec in step.nonresident.items():
+            specs[b] = spec
+            gpu[b, : spec.gpu_pages.numel()] = spec.gpu_pages
+            host[b, : spec.host_pages.numel()] = spec.host_pages
+    buffers.put("gpu_pages", (rows, pages), 0, gpu)
+    buffers.put("host_pages", (rows, pages), 0, host)
+    leases, table = residency.lease_rows(specs)
+    buffers.put("lease_table", (len(leases), rows, LEASE_WIDTH), 0, table)
+    buffers.put("step", (1,), 0 if step is None else step.step)  # the stamp is the fill value
+    return leases

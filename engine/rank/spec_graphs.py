@@ -1,16 +1,17 @@
 """Speculative steps over persistent buffers, captured as CUDA graphs per shape.
 
 A verifying step whose requests all decode (each brings its last known token and its drafts, every row
-sampled) and hold all their pages on the GPU runs like a decode step (engine/rank/decode_graphs.py)
-through fixed views of buffers this rank allocates once. Each request takes exactly k + 1 rows: drafts
+sampled) runs like a decode step (engine/rank/decode_graphs.py) through fixed views of buffers this rank
+allocates once. Each request takes exactly k + 1 rows: drafts
 it lacks (near its `max_tokens`) become padding rows that repeat its last row's position, write to the
 scratch page and are never accepted (`DraftInput.num_drafts` masks them). Requests are padded to the
 next batch size, page tables to the next width. The whole verify-and-draft step
 (engine/rank/speculative.py: the target forward, sampling, acceptance, the MTP layer's k passes) is one
 graph per `SpecGraphKey`; the step's real rows are gathered from its outputs afterwards, in the eager
-step's order. On the first step of a shape it runs through the buffers eagerly and is captured after;
-off the GPU the same buffers run without capture. Steps with prefill rows, or with requests whose pages
-live on the host (the captured resolve serves one row a request), run eagerly.
+step's order. When some request has host-only pages the residency resolve runs inside the graph too, each
+request's k + 1 rows resolved as the union of their selections (`RankResidency.resolve_decode`). On the
+first step of a shape it runs through the buffers eagerly and is captured after; off the GPU the same
+buffers run without capture. Steps with prefill rows run eagerly.
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ from engine.attention_ops import AttentionOps
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
 from engine.model import GlmMoeDsaForCausalLM
-from engine.rank.decode_graphs import GraphConfig, Sampler, StepBuffers, batch_sizes, context_widths
+from engine.rank.decode_graphs import (
+    GraphConfig, Sampler, StepBuffers, batch_sizes, buffered_batch, capture_graph, context_widths, lease_buffers,
+    lease_views, sampling_views, stage_leases,
+)
 from engine.rank.speculative import speculative_step
 from engine.rank.step import DraftInput, StepInput
-from engine.sampler import SamplerMode, SamplingBatch
+from engine.sampler import SamplerMode
+from residency.rank import RankResidency
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +45,7 @@ class SpecGraphKey:
 
     requests: int
     context: int  # page-table width in tokens, the indexer's scoring width
+    resolves: bool  # some request has host-only pages: the residency resolve runs for every request
     sampler: SamplerMode
 
 
@@ -65,6 +71,7 @@ class SpecGraphs:
             "mla_page_table": (requests * pages, torch.long), "indexer_page_table": (requests * idx_pages, torch.long),
             "inv_temperature": (rows, torch.float32), "greedy": (rows, torch.bool), "top_k": (rows, torch.long),
             "top_p": (rows, torch.float32), "keys": (rows, torch.long), "real_rows": (rows, torch.long),
+            **lease_buffers(requests, pages, len(layout.group_sizes)),
         }, pool.device)
         self._arange = torch.arange(rows, device=pool.device)
         page = layout.page_size
@@ -86,21 +93,21 @@ class SpecGraphs:
 
     def key_for(self, step: StepInput) -> SpecGraphKey | None:
         """The shape `step` runs as, or None when it must run eagerly: it has rows that sample nothing (a
-        prefill chunk), a request with host-only pages, or more requests or context than the buffers hold."""
-        if (step.draft is None or step.nonresident_tokens or step.num_logits != int(step.input_ids.shape[0])
+        prefill chunk), or more requests or context than the buffers hold."""
+        if (step.draft is None or step.num_logits != int(step.input_ids.shape[0])
                 or step.num_requests > self.batch_sizes[-1]):
             return None
         width = next((w for w in self.widths if w >= max(step.context_lens)), None)
         if width is None:
             return None
         requests = next(b for b in self.batch_sizes if b >= step.num_requests)
-        return SpecGraphKey(requests, width, step.sampling.mode)
+        return SpecGraphKey(requests, width, bool(step.nonresident), step.sampling.mode)
 
-    def launch(self, key: SpecGraphKey, step: StepInput) -> torch.Tensor:
+    def launch(self, key: SpecGraphKey, step: StepInput, residency: RankResidency | None) -> torch.Tensor:
         """Runs `step` as `key` (replays its graph, or runs through the buffers and captures after, on a
         GPU). Returns what `speculative_step` returns for the step itself: its rows' tokens in its own order,
         then each request's accepted count and drafts; the host has not waited for them."""
-        batch, real_rows = self._fill(key, step)
+        batch, real_rows = self._fill(key, step, residency)
         self.steps_run[key] += 1
         captured = self._graphs.get(key)
         if captured is not None:
@@ -122,21 +129,17 @@ class SpecGraphs:
         rows = n * (self.k + 1)
         draft = DraftInput(next_ids=view("next_ids", rows), logit_starts=self._arange[:n] * (self.k + 1),
                            num_drafts=view("num_drafts", n), num_speculative_tokens=self.k)
-        sampling = SamplingBatch(view("inv_temperature", rows), view("greedy", rows), view("top_k", rows),
-                                 view("top_p", rows), view("keys", rows), key.sampler)
         return speculative_step(self.model, batch, self.pool, self.pool, self._scratch_slots, self.layout,
-                                self.ops, sampling, self.sampler, draft)
+                                self.ops, sampling_views(self.buffers, rows, key.sampler), self.sampler, draft)
 
     def _capture(self, key: SpecGraphKey, batch: ForwardBatch) -> None:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool_handle, capture_error_mode="thread_local"):
-            out = self._forward(key, batch)
-        self._graphs[key] = (graph, out)
+        self._graphs[key] = capture_graph(self._pool_handle, lambda: self._forward(key, batch))
 
     def close(self) -> None:
         self._graphs.clear()
 
-    def _fill(self, key: SpecGraphKey, step: StepInput) -> tuple[ForwardBatch, torch.Tensor]:
+    def _fill(self, key: SpecGraphKey, step: StepInput, residency: RankResidency | None
+              ) -> tuple[ForwardBatch, torch.Tensor]:
         """Stages `step` into the buffers as `key`: request b's rows at b * (k + 1) on, padding rows after
         them. Returns the key's batch and, for each of the step's rows in its own order, its padded row."""
         per, n, buffers = self.k + 1, step.num_requests, self.buffers
@@ -172,33 +175,21 @@ class SpecGraphs:
             values = getattr(step.sampling, name)
             put(name, (rows,), fill, spread(values, torch.full((rows,), fill, dtype=values.dtype)))
         put("real_rows", (len(real),), 0, real)
+        leases = stage_leases(buffers, key.requests, pages, step, residency, self.scratch_page) if key.resolves else None
         buffers.end()
 
         batch = self._batches.get(key)
         if batch is None:
-            batch = self._batches[key] = self._batch(key)
+            batch = self._batches[key] = self._batch(key, residency)
         batch.context_lens_host = [*step.context_lens, *[1] * (key.requests - n)]
+        if leases is not None:
+            batch.decode_leases.leases = leases
         return batch, buffers.view("real_rows", len(real))
 
-    def _batch(self, key: SpecGraphKey) -> ForwardBatch:
+    def _batch(self, key: SpecGraphKey, residency: RankResidency | None) -> ForwardBatch:
         """The key's `ForwardBatch`: views of the buffers (the same tensors at every replay)."""
-        view, n, per = self.buffers.view, key.requests, self.k + 1
-        rows = n * per
-        return ForwardBatch(
-            input_ids=view("input_ids", rows),
-            positions=view("positions", rows),
-            req_of_row=torch.arange(n, device=self.pool.device).repeat_interleave(per),
-            mla_write_slots=view("mla_write_slots", rows),
-            indexer_write_slots=view("indexer_write_slots", rows),
-            mla_page_table=view("mla_page_table", n, self._pages(key.context)),
-            indexer_page_table=view("indexer_page_table", n, self._indexer_pages(key.context)),
-            context_lens=view("context_lens", n),
-            logits_rows=self._arange[:rows],
-            row_ranges=[(b * per, (b + 1) * per) for b in range(n)],
-            context_lens_host=[1] * n,
-            request_ids=[""] * n,
-            max_context=key.context,
-            page_size=self.layout.page_size,
-            indexer_tokens_per_page=self.layout.indexer_tokens_per_page,
-        )
-
+        per, pages = self.k + 1, self._pages(key.context)
+        decode = None
+        if key.resolves:
+            decode = lease_views(self.buffers, key.requests, pages, len(self.layout.group_sizes), rows_per_lease=per)
+        return buffered_batch(self.buffers, self.layout, key.requests, per, key.context, decode, residency)

@@ -161,7 +161,7 @@ class Worker:
         key = self.graphs.key_for(step) if self.graphs is not None else None
         spec_key = self.spec_graphs.key_for(step) if self.spec_graphs is not None else None
         if spec_key is not None:
-            tokens = self.spec_graphs.launch(spec_key, step)
+            tokens = self.spec_graphs.launch(spec_key, step, self.residency)
         elif step.draft is not None:
             tokens = self._speculative(step)
         elif key is not None:
