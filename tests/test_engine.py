@@ -286,20 +286,22 @@ def test_seeded_request_repeats_beside_edge_values(tiny_dir: Path) -> None:
     assert_pages_released(engine)
 
 
-def test_a_failing_request_ends_alone_and_frees_its_pages(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("drafts", [0, 2], ids=["decode", "speculative"])
+def test_a_failing_request_ends_alone_and_frees_its_pages(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          drafts: int) -> None:
     """Its output processing raising mid-generation ends it with an error output; the batch (sampled rows too)
-    goes on."""
-    engine = make_engine(tiny_dir, max_num_batched_tokens=64)
+    goes on, with MTP drafts too."""
+    engine = make_engine(tiny_dir, max_num_batched_tokens=64, num_speculative_tokens=drafts)
     prompts = [_prompt(n, 30 + n) for n in (90, 40, 70)]
     sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
     victim = SamplingParams(max_tokens=12, temperature=1.0, seed=6, ignore_eos=True)
     [expected] = make_engine(tiny_dir).generate([prompts[2]], [sampled])
     append = LLMEngine._append
 
-    def flaky(self: LLMEngine, req, token: int):  # noqa: ANN001, ANN202
+    def flaky(self: LLMEngine, req, token: int, *rest):  # noqa: ANN001, ANN002, ANN202
         if req.params is victim and len(req.output_token_ids) == 3:
             raise RuntimeError("row broke")
-        return append(self, req, token)
+        return append(self, req, token, *rest)
 
     monkeypatch.setattr(LLMEngine, "_append", flaky)
     engine.add_request("ok", prompts[0], greedy(12))
