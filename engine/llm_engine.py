@@ -296,16 +296,11 @@ class LLMEngine:
                 outputs.append(self._complete(req, token, finishing))
                 if req.is_finished or len(finishing) > ended:
                     break
-            limit = self._draft_limit(req)
-            replayed = self._replayed_drafts.get(req.request_id)
             if req.is_finished or len(finishing) > ended:
                 req.draft_token_ids = []
                 self._replayed_drafts.pop(req.request_id, None)
-            elif replayed is not None:
-                done = len(req.output_token_ids)
-                req.draft_token_ids = replayed[done : done + limit]
             else:
-                req.draft_token_ids = proposals[i * k : i * k + limit]
+                req.draft_token_ids = self._next_drafts(req, proposals[i * k : (i + 1) * k])
         # The accepted rows count and their pages register (the accepted drafts are outputs now), also for the
         # requests this step ends; then those end.
         self.scheduler.after_step(out, rejected)
@@ -324,11 +319,15 @@ class LLMEngine:
             raise KeyError(f"unknown request {request_id!r}")
         self._replayed_drafts[request_id] = list(output_token_ids)
 
-    def _draft_limit(self, req: Request) -> int:
-        """Drafts `req` may verify next: no more than its remaining output tokens after the next one, and
-        positions inside the context limit."""
+    def _next_drafts(self, req: Request, proposals: list[int]) -> list[int]:
+        """The drafts `req` verifies next: its replayed output's if set, else the MTP layer's `proposals`; no
+        more than its output tokens left after the next one, at positions inside the context limit."""
         left = req.params.max_tokens - len(req.output_token_ids) - 1
-        return max(0, min(self.num_speculative_tokens, left, self.max_model_len - req.num_tokens))
+        limit = max(0, min(self.num_speculative_tokens, left, self.max_model_len - req.num_tokens))
+        replayed = self._replayed_drafts.get(req.request_id)
+        if replayed is not None:
+            return replayed[len(req.output_token_ids) : len(req.output_token_ids) + limit]
+        return proposals[:limit]
 
     def _complete(self, req: Request, token: int,
                   finishing: list[tuple[Request, FinishReason]] | None = None) -> RequestOutput:
