@@ -53,9 +53,9 @@ class ModelRunner:
             end = start + s.num_new_tokens
             row_ranges.append((len(ids), len(ids) + s.num_new_tokens))
             chunk = req.step_token_ids(start, end)
-            if self.num_speculative_tokens:  # the MTP layer's input: the next token where known
-                next_ids += req.token_ids(start + 1, min(end + 1, req.num_tokens)) + [-1] * (
-                    end + 1 - max(start + 1, req.num_tokens))
+            if self.num_speculative_tokens:  # MTP input: each row's next token, -1 where this step samples it
+                known = req.token_ids(start + 1, min(end + 1, req.num_tokens))
+                next_ids += known + [-1] * (s.num_new_tokens - len(known))
             if req.num_pending_tokens:
                 prev_rows += [-1 if t != PENDING else self._last_sampled[req.request_id] for t in chunk]
             else:
