@@ -8,7 +8,10 @@ rank computes its vocabulary rows' logits, gathers all of them (lm_head is
 split by vocabulary) and samples the same tokens from the same logits, so each rank holds the step's ids on its device
 for the next step's inputs; rank 0's are read back. Decode steps run through
 the rank's persistent buffers and, on a GPU, as captured CUDA graphs
-(engine/rank/decode_graphs.py); other steps, and every step under
+(engine/rank/decode_graphs.py); a replica that drafts (speculative decoding)
+verifies and drafts in every step (engine/rank/speculative.py), through its own
+buffers and graphs when every request of the step decodes
+(engine/rank/spec_graphs.py). Other steps, and every step under
 `enforce_eager`, run eagerly from the step's own tensors.
 """
 
