@@ -139,8 +139,7 @@ class DecodeGraphs:
         self.topk = model.cfg.index_topk
         self.batch_sizes = batch_sizes(config.max_batch)
         self.widths = context_widths(self.topk, config.max_model_len, layout.page_size)
-        self.capture = pool.is_cuda
-        rows, pages, idx_pages = self.batch_sizes[-1], self._pages(self.widths[-1]), self._indexer_pages(self.widths[-1])
+        rows, (pages, idx_pages) = self.batch_sizes[-1], table_pages(layout, self.widths[-1])
         groups = len(layout.group_sizes)
         self.buffers = StepBuffers({
             "input_ids": (rows, torch.long), "prev_rows": (rows, torch.long), "positions": (rows, torch.long),
@@ -151,22 +150,15 @@ class DecodeGraphs:
             "top_p": (rows, torch.float32), "keys": (rows, torch.long), **lease_buffers(rows, pages, groups),
         }, pool.device)
         self._batches: dict[GraphKey, ForwardBatch] = {}
-        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
-        self.steps_run: Counter[GraphKey] = Counter()  # decode steps run through the buffers, by shape
-
-    def _pages(self, width: int) -> int:
-        return width // self.layout.page_size
-
-    def _indexer_pages(self, width: int) -> int:
-        return -(-width // self.layout.indexer_tokens_per_page)
+        self.shapes = CapturedShapes(pool.device, "decode")
 
     @property
-    def num_graphs(self) -> int:
-        return len(self._graphs)
+    def steps_run(self) -> Counter[GraphKey]:
+        """Decode steps run through the buffers, by shape."""
+        return self.shapes.steps_run
 
     def is_captured(self, key: GraphKey) -> bool:
-        return key in self._graphs
+        return key in self.shapes
 
     # --- which steps -------------------------------------------------------------------
 
@@ -184,13 +176,13 @@ class DecodeGraphs:
     def capture_common(self, residency: RankResidency | None) -> None:
         """Captures the greedy shapes at the narrowest width, largest first (they share one memory pool),
         so a serving decode step at a common shape never waits for a capture."""
-        if not self.capture:
+        if not self.shapes.capture_on:
             return
         for rows in reversed(self.batch_sizes):
             key = GraphKey(rows, self.widths[0], False, "greedy")
             batch = self._fill(key, None, residency, None)
             self._forward(batch, key)  # compiles every kernel of the shape; writes only the scratch page
-            self._capture(key, batch)
+            self.shapes.capture(key, lambda: self._forward(batch, key))
         logger.info("captured %d decode graphs (batch sizes %s, width %d)", len(self.batch_sizes),
                     list(self.batch_sizes), self.widths[0])
 
@@ -203,29 +195,15 @@ class DecodeGraphs:
         previous step's sampled ids. Returns the token ids [key.rows] on the device, padding rows last;
         the host has not waited for them."""
         batch = self._fill(key, step, residency, last_tokens)
-        self.steps_run[key] += 1
-        captured = self._graphs.get(key)
-        if captured is not None:
-            graph, tokens = captured
-            graph.replay()
-            return tokens
-        tokens = self._forward(batch, key)
-        if self.capture:
-            start = time.perf_counter()
-            self._capture(key, batch)
-            logger.info("captured the decode graph of %s in %.0f ms", key, 1e3 * (time.perf_counter() - start))
-        return tokens
+        return self.shapes.run(key, lambda: self._forward(batch, key))
 
     def _forward(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
         hidden = self.model.hidden_states(batch, self.pool, self.layout, self.ops)
         return self.sampler(self.model.logits(hidden), sampling_views(self.buffers, key.rows, key.sampler))
 
-    def _capture(self, key: GraphKey, batch: ForwardBatch) -> None:
-        self._graphs[key] = capture_graph(self._pool_handle, lambda: self._forward(batch, key))
-
     def close(self) -> None:
         """Drops the graphs (a captured collective left alive hangs the process group's teardown)."""
-        self._graphs.clear()
+        self.shapes.clear()
 
     # --- the buffers ----------------------------------------------------------------------
 
@@ -234,7 +212,7 @@ class DecodeGraphs:
         """Stages `step` (None: padding only) into the buffers as `key` and returns the key's batch."""
         buffers, rows = self.buffers, key.rows
         page, per_page = self.layout.page_size, self.layout.indexer_tokens_per_page
-        pages, idx_pages = self._pages(key.context), self._indexer_pages(key.context)
+        pages, idx_pages = table_pages(self.layout, key.context)
         real = 0 if step is None else step.num_requests
         pad = torch.arange(rows - real)
         buffers.begin()
@@ -247,7 +225,7 @@ class DecodeGraphs:
         put("positions", (rows,), 0, None if step is None else step.positions)
         put("context_lens", (rows,), 1, None if step is None else torch.tensor(step.context_lens))
         for name, per in (("mla_write_slots", page), ("indexer_write_slots", per_page)):
-            slots = self.scratch_page * per + pad % per  # distinct slots of the scratch page where they fit
+            slots = scratch_slots(self.scratch_page, per, pad)
             put(name, (rows,), 0, slots if step is None else torch.cat([getattr(step, name), slots]))
         put("mla_page_table", (rows, pages), self.scratch_page, None if step is None else step.mla_page_table)
         put("indexer_page_table", (rows, idx_pages), self.scratch_page,
@@ -269,7 +247,7 @@ class DecodeGraphs:
 
     def _batch(self, key: GraphKey, residency: RankResidency | None) -> ForwardBatch:
         """The key's `ForwardBatch`: views of the buffers (the same tensors at every replay)."""
-        pages = self._pages(key.context)
+        pages, _ = table_pages(self.layout, key.context)
         decode = lease_views(self.buffers, key.rows, pages, len(self.layout.group_sizes)) if key.resolves else None
         return buffered_batch(self.buffers, self.layout, key.rows, 1, key.context, decode, residency)
 
@@ -279,7 +257,7 @@ def buffered_batch(buffers: StepBuffers, layout: KVLayout, requests: int, rows_p
     """A shape's `ForwardBatch` over the buffers: `requests` of `rows_per_request` consecutive rows each, every
     row sampled, page tables `context` tokens wide."""
     view, rows = buffers.view, requests * rows_per_request
-    pages, idx_pages = context // layout.page_size, -(-context // layout.indexer_tokens_per_page)
+    pages, idx_pages = table_pages(layout, context)
     arange = torch.arange(rows, device=buffers.device)
     return ForwardBatch(
         input_ids=view("input_ids", rows),
@@ -302,13 +280,59 @@ def buffered_batch(buffers: StepBuffers, layout: KVLayout, requests: int, rows_p
     )
 
 
-def capture_graph(pool: tuple, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """`run` captured as a CUDA graph in the memory `pool` (shared by a runner's graphs); its output tensor,
-    rewritten at every replay."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        out = run()
-    return graph, out
+class CapturedShapes:
+    """A runner's CUDA graphs by shape, in one memory pool: a shape's first step runs eagerly through the
+    buffers and is captured after (on a GPU; elsewhere every step runs through the buffers uncaptured),
+    later steps replay it."""
+
+    def __init__(self, device: torch.device, name: str) -> None:
+        self.capture_on = device.type == "cuda"
+        self.name = name
+        self._pool = torch.cuda.graph_pool_handle() if self.capture_on else None
+        self._graphs: dict[object, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.steps_run: Counter = Counter()  # steps run through the buffers, by shape
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._graphs
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: object, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The output of `forward` for shape `key`: its graph replayed, or `forward` run and then captured."""
+        self.steps_run[key] += 1
+        captured = self._graphs.get(key)
+        if captured is not None:
+            graph, out = captured
+            graph.replay()
+            return out
+        out = forward()
+        if self.capture_on:
+            start = time.perf_counter()
+            self.capture(key, forward)
+            logger.info("captured the %s graph of %s in %.0f ms", self.name, key, 1e3 * (time.perf_counter() - start))
+        return out
+
+    def capture(self, key: object, forward: Callable[[], torch.Tensor]) -> None:
+        """Captures `forward` as shape `key`'s graph (its output tensor is rewritten at every replay)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = forward()
+        self._graphs[key] = (graph, out)
+
+    def clear(self) -> None:
+        self._graphs.clear()
+
+
+def table_pages(layout: KVLayout, width: int) -> tuple[int, int]:
+    """(MLA pages, indexer pages) of a page table `width` tokens wide."""
+    return width // layout.page_size, -(-width // layout.indexer_tokens_per_page)
+
+
+def scratch_slots(scratch_page: int, per_page: int, rows: torch.Tensor) -> torch.Tensor:
+    """Slots of the scratch page for `rows` (a row number each), distinct where they fit: where padding rows and
+    throwaway rows write."""
+    return scratch_page * per_page + rows % per_page
 
 
 def sampling_views(buffers: StepBuffers, rows: int, mode: SamplerMode) -> SamplingBatch:

@@ -16,8 +16,6 @@ buffers run without capture. Steps with prefill rows run eagerly.
 
 from __future__ import annotations
 
-import logging
-import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -28,16 +26,13 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
 from engine.model import GlmMoeDsaForCausalLM
 from engine.rank.decode_graphs import (
-    GraphConfig, Sampler, StepBuffers, batch_sizes, buffered_batch, capture_graph, context_widths, lease_buffers,
-    lease_views, sampling_views, stage_leases,
+    CapturedShapes, GraphConfig, Sampler, StepBuffers, batch_sizes, buffered_batch, context_widths, lease_buffers,
+    lease_views, sampling_views, scratch_slots, stage_leases, table_pages,
 )
 from engine.rank.speculative import speculative_step
 from engine.rank.step import DraftInput, StepInput
 from engine.sampler import SamplerMode
 from residency.rank import RankResidency
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class SpecGraphKey:
@@ -60,10 +55,8 @@ class SpecGraphs:
         self.k = num_speculative_tokens
         self.batch_sizes = batch_sizes(config.max_batch)
         self.widths = context_widths(model.cfg.index_topk, config.max_model_len, layout.page_size)
-        self.capture = pool.is_cuda
         requests = self.batch_sizes[-1]
-        rows, pages, idx_pages = requests * (self.k + 1), self._pages(self.widths[-1]), self._indexer_pages(
-            self.widths[-1])
+        rows, (pages, idx_pages) = requests * (self.k + 1), table_pages(layout, self.widths[-1])
         self.buffers = StepBuffers({
             "input_ids": (rows, torch.long), "positions": (rows, torch.long), "next_ids": (rows, torch.long),
             "mla_write_slots": (rows, torch.long), "indexer_write_slots": (rows, torch.long),
@@ -73,23 +66,19 @@ class SpecGraphs:
             "top_p": (rows, torch.float32), "keys": (rows, torch.long), "real_rows": (rows, torch.long),
             **lease_buffers(requests, pages, len(layout.group_sizes)),
         }, pool.device)
-        self._arange = torch.arange(rows, device=pool.device)
-        page = layout.page_size
-        # Distinct slots of the scratch page for the drafting passes' throwaway rows, one per request.
-        self._scratch_slots = scratch_page * page + torch.arange(requests, device=pool.device) % page
+        # Each request's first row, and a scratch-page slot each for the drafting passes' throwaway rows.
+        self._logit_starts = torch.arange(requests, device=pool.device) * (self.k + 1)
+        self._scratch_slots = scratch_slots(scratch_page, layout.page_size, torch.arange(requests, device=pool.device))
         self._batches: dict[SpecGraphKey, ForwardBatch] = {}
-        self._graphs: dict[SpecGraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool_handle = torch.cuda.graph_pool_handle() if self.capture else None
-        self.steps_run: Counter[SpecGraphKey] = Counter()  # steps run through the buffers, by shape
+        self.shapes = CapturedShapes(pool.device, "speculative")
 
-    def _pages(self, width: int) -> int:
-        return width // self.layout.page_size
-
-    def _indexer_pages(self, width: int) -> int:
-        return -(-width // self.layout.indexer_tokens_per_page)
+    @property
+    def steps_run(self) -> Counter[SpecGraphKey]:
+        """Steps run through the buffers, by shape."""
+        return self.shapes.steps_run
 
     def is_captured(self, key: SpecGraphKey) -> bool:
-        return key in self._graphs
+        return key in self.shapes
 
     def key_for(self, step: StepInput) -> SpecGraphKey | None:
         """The shape `step` runs as, or None when it must run eagerly: it has rows that sample nothing (a
@@ -108,18 +97,7 @@ class SpecGraphs:
         GPU). Returns what `speculative_step` returns for the step itself: its rows' tokens in its own order,
         then each request's accepted count and drafts; the host has not waited for them."""
         batch, real_rows = self._fill(key, step, residency)
-        self.steps_run[key] += 1
-        captured = self._graphs.get(key)
-        if captured is not None:
-            graph, out = captured
-            graph.replay()
-        else:
-            out = self._forward(key, batch)
-            if self.capture:
-                start = time.perf_counter()
-                self._capture(key, batch)
-                logger.info("captured the speculative graph of %s in %.0f ms", key,
-                            1e3 * (time.perf_counter() - start))
+        out = self.shapes.run(key, lambda: self._forward(key, batch))
         rows, n = key.requests * (self.k + 1), step.num_requests
         return torch.cat([out[:rows][real_rows], out[rows : rows + n],
                           out[rows + key.requests : rows + key.requests + n * self.k]])
@@ -127,16 +105,13 @@ class SpecGraphs:
     def _forward(self, key: SpecGraphKey, batch: ForwardBatch) -> torch.Tensor:
         view, n = self.buffers.view, key.requests
         rows = n * (self.k + 1)
-        draft = DraftInput(next_ids=view("next_ids", rows), logit_starts=self._arange[:n] * (self.k + 1),
+        draft = DraftInput(next_ids=view("next_ids", rows), logit_starts=self._logit_starts[:n],
                            num_drafts=view("num_drafts", n), num_speculative_tokens=self.k)
-        return speculative_step(self.model, batch, self.pool, self.pool, self._scratch_slots, self.layout,
-                                self.ops, sampling_views(self.buffers, rows, key.sampler), self.sampler, draft)
-
-    def _capture(self, key: SpecGraphKey, batch: ForwardBatch) -> None:
-        self._graphs[key] = capture_graph(self._pool_handle, lambda: self._forward(key, batch))
+        return speculative_step(self.model, batch, self.pool, self._scratch_slots, self.layout, self.ops,
+                                sampling_views(self.buffers, rows, key.sampler), self.sampler, draft)
 
     def close(self) -> None:
-        self._graphs.clear()
+        self.shapes.clear()
 
     def _fill(self, key: SpecGraphKey, step: StepInput, residency: RankResidency | None
               ) -> tuple[ForwardBatch, torch.Tensor]:
@@ -163,11 +138,10 @@ class SpecGraphs:
         put("positions", (rows,), 0, spread(step.positions, last.repeat_interleave(per)))
         put("next_ids", (rows,), -1)  # every row samples: the MTP layer reads each one's sampled token
         for name, per_page in (("mla_write_slots", page), ("indexer_write_slots", idx_page)):
-            scratch = self.scratch_page * per_page + padded % per_page
-            put(name, (rows,), 0, spread(getattr(step, name), scratch))
+            put(name, (rows,), 0, spread(getattr(step, name), scratch_slots(self.scratch_page, per_page, padded)))
         put("context_lens", (key.requests,), 1, torch.tensor(step.context_lens))
         put("num_drafts", (key.requests,), 0, step.draft.num_drafts)
-        pages, idx_pages = self._pages(key.context), self._indexer_pages(key.context)
+        pages, idx_pages = table_pages(self.layout, key.context)
         put("mla_page_table", (key.requests, pages), self.scratch_page, step.mla_page_table)
         put("indexer_page_table", (key.requests, idx_pages), self.scratch_page, step.indexer_page_table)
         # Every row samples, so the step's sampling rows are its rows, in order (`key_for`).
@@ -175,7 +149,9 @@ class SpecGraphs:
             values = getattr(step.sampling, name)
             put(name, (rows,), fill, spread(values, torch.full((rows,), fill, dtype=values.dtype)))
         put("real_rows", (len(real),), 0, real)
-        leases = stage_leases(buffers, key.requests, pages, step, residency, self.scratch_page) if key.resolves else None
+        leases = None
+        if key.resolves:
+            leases = stage_leases(buffers, key.requests, pages, step, residency, self.scratch_page)
         buffers.end()
 
         batch = self._batches.get(key)
@@ -188,7 +164,7 @@ class SpecGraphs:
 
     def _batch(self, key: SpecGraphKey, residency: RankResidency | None) -> ForwardBatch:
         """The key's `ForwardBatch`: views of the buffers (the same tensors at every replay)."""
-        per, pages = self.k + 1, self._pages(key.context)
+        per, (pages, _) = self.k + 1, table_pages(self.layout, key.context)
         decode = None
         if key.resolves:
             decode = lease_views(self.buffers, key.requests, pages, len(self.layout.group_sizes), rows_per_lease=per)

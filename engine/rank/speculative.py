@@ -50,12 +50,11 @@ def accepted_drafts(tokens: torch.Tensor, input_ids: torch.Tensor, logits_rows: 
 
 @torch.inference_mode()
 def speculative_step(model: GlmMoeDsaForCausalLM, batch: ForwardBatch, kv_pool: torch.Tensor,
-                     scratch_pool: torch.Tensor, scratch_slots: torch.Tensor, layout: KVLayout, ops: AttentionOps,
-                     sampling: SamplingBatch, sample: Callable[[torch.Tensor, SamplingBatch], torch.Tensor],
-                     draft: DraftInput) -> torch.Tensor:
+                     scratch_slots: torch.Tensor, layout: KVLayout, ops: AttentionOps, sampling: SamplingBatch,
+                     sample: Callable[[torch.Tensor, SamplingBatch], torch.Tensor], draft: DraftInput) -> torch.Tensor:
     """One verify-and-draft step. Returns int64 [S + R + R * k] on the device: the token sampled at each
-    logits row, the drafts each sampling request accepted, and its k new drafts. `scratch_pool` is the page
-    pool with the scratch page that `scratch_slots` [>= R] point into (the drafting iterations' KV rows)."""
+    logits row, the drafts each sampling request accepted, and its k new drafts. `kv_pool` includes the
+    scratch page that `scratch_slots` [>= R] point into (the drafting iterations' KV rows)."""
     [mtp] = model.mtp_layers
     hidden, selection, ctx = model.target_pass(batch, kv_pool, layout, ops)
     rows = batch.logits_rows
@@ -75,7 +74,7 @@ def speculative_step(model: GlmMoeDsaForCausalLM, batch: ForwardBatch, kv_pool: 
         positions = batch.positions[base] + i
         cos, sin = model.rotary(positions, stream.dtype)
         step_batch = dataclasses.replace(batch, input_ids=proposals[-1], positions=positions, mla_write_slots=writes)
-        step_ctx = StepContext(step_batch, cos, sin, scratch_pool, layout, ops)
+        step_ctx = StepContext(step_batch, cos, sin, kv_pool, layout, ops)
         stream, normed = mtp.draft(model.model.embed_tokens(proposals[-1]), stream, step_ctx, replayed)
         proposals.append(model.logits(normed).argmax(dim=-1))
     drafts = torch.stack(proposals, dim=1).reshape(-1)

@@ -36,6 +36,10 @@ class DraftInput:
     num_drafts: torch.Tensor  # [R] int64: drafts it verifies (its logits rows - 1)
     num_speculative_tokens: int  # drafts to propose for each sampling request
 
+    def to(self, device: torch.device) -> DraftInput:
+        return DraftInput(self.next_ids.to(device, non_blocking=True), self.logit_starts.to(device, non_blocking=True),
+                          self.num_drafts.to(device, non_blocking=True), self.num_speculative_tokens)
+
 
 @dataclass(frozen=True)
 class StepInput:

@@ -17,7 +17,6 @@ buffers and graphs when every request of the step decodes
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from engine.linear import WeightFormat
 from engine.model import build_model
 from engine.model_config import ModelConfig
 from engine.page_tables import PageTableStore
-from engine.rank.decode_graphs import DecodeGraphs, GraphConfig
+from engine.rank.decode_graphs import DecodeGraphs, GraphConfig, scratch_slots
 from engine.rank.spec_graphs import SpecGraphs
 from engine.rank.speculative import speculative_step
 from engine.rank.step import StepInput, StepOutput
@@ -128,9 +127,9 @@ class Worker:
         its decode graphs. One page more than the driver's is the scratch page decode padding writes."""
         pool = torch.zeros(num_pages + 1, self.layout.page_bytes, dtype=torch.uint8, device=self.device)
         self.kv_pool = pool[:num_pages]
-        self._scratch_pool = pool  # speculative drafting writes its throwaway rows to the scratch page too
-        page = self.layout.page_size
-        self._scratch_slots = num_pages * page + torch.arange(self.graph_config.max_batch, device=self.device) % page
+        self._pool = pool  # with the scratch page, where speculative drafting writes its throwaway rows
+        rows = torch.arange(self.graph_config.max_batch, device=self.device)
+        self._scratch_slots = scratch_slots(num_pages, self.layout.page_size, rows)
         logger.info(
             "rank %d KV pool: %d pages x %.2f MiB (%s rows)", self.rank, num_pages, self.layout.page_bytes / 2**20,
             self.layout.kv_format,
@@ -195,12 +194,8 @@ class Worker:
     def _speculative(self, step: StepInput) -> torch.Tensor:
         """Verifies the step's drafts and proposes the next (engine/rank/speculative.py); eager."""
         batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
-        draft = step.draft
-        draft = dataclasses.replace(draft, next_ids=draft.next_ids.to(self.device),
-                                    logit_starts=draft.logit_starts.to(self.device),
-                                    num_drafts=draft.num_drafts.to(self.device))
-        return speculative_step(self.model, batch, self.kv_pool, self._scratch_pool, self._scratch_slots,
-                                self.layout, self.ops, step.sampling.to(self.device), self.sample_logits, draft)
+        return speculative_step(self.model, batch, self._pool, self._scratch_slots, self.layout, self.ops,
+                                step.sampling.to(self.device), self.sample_logits, step.draft.to(self.device))
 
     def sample_logits(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
         """The token ids of `logits` [S, V] (a method, so a test can watch the logits of an eager or an
