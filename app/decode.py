@@ -59,12 +59,13 @@ class DecodeServer(EngineServer):
     async def _prefill_remotely(self, req: GenerateRequest) -> None:
         """Lands the prompt's KV computed by a prefill replica; on any failure leaves it to local prefill."""
         ids = req.prompt_token_ids
-        # The export starts after what the GPU holds; whether to ask for one at all counts the host tier too:
-        # under pressure a conversation's older pages live on the host, and its next turn only adds a little.
+        # The export starts after what the GPU holds; whether to ask for one at all counts what admission
+        # reuses, the host tier's continuation too (never less than the GPU's): under pressure a conversation's
+        # older pages live on the host, and its next turn only adds a little.
         held, reused = await self.engine.run_in_engine(
             lambda e: (cached_prefix_tokens(e, ids), e.kv.reusable_prefix_tokens(ids)))
         reusable = (len(ids) - 1) // self._reuse_unit * self._reuse_unit
-        if reusable - max(held, reused) < self._min_transfer_tokens:
+        if reusable - reused < self._min_transfer_tokens:
             self.counters["local_prefills"] += 1
             return
         started = time.monotonic()

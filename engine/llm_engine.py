@@ -37,7 +37,7 @@ from engine.rank.worker import WorkerSpec
 from engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from engine.sampler import SamplingBatch
 from engine.scheduler import Scheduler, SchedulerConfig
-from engine.speculative import SpecDecodeStats
+from engine.spec_decode_stats import SpecDecodeStats
 from engine.tokenizer import Tokenizer
 from engine.tp.sharding import check_shardable
 from residency.config import HiSparseConfig
