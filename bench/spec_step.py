@@ -9,12 +9,18 @@ the output of the same engine's `mtp` run of the same prompts fed back as drafts
 every draft the target agrees with is accepted, the best case). Tokens a step yields per request are
 measured (1 + accepted / verifying requests, from the engine's `spec_decode_*` counters).
 
-The 78-layer TPOT is the 78-layer step (fixed + 78 x per layer + two all-reduces a layer, `--allreduce-us`,
-and the logits' gather) divided by the tokens a step yields: at the measured acceptance, and at
-`--acceptance` tokens a step (GLM-5's published 3.5 for 4 drafts; capped at k + 1). Both from wall time
-and from GPU time (what a step costs once its launches are free), in each of `--modes`: `graph` (decode and
-verify-and-draft steps replayed as CUDA graphs, engine/rank/spec_graphs.py) and `eager` (every kernel
-launched from Python). The last column divides each TPOT by k = 0's in graph mode, measured in the same run.
+The 78-layer step is built from GPU time (torch.profiler), which separates cleanly by depth: fixed +
+78 x per layer + two all-reduces a layer (`--allreduce-us`) + the logits' gather. Wall time does not: a
+graph-mode step at 4 or 8 layers is as long as the host's preparation of it, so the wall difference
+between depths is noise. The host's share is measured instead, as the wall time the 8-layer step adds to
+its GPU time: a verify-and-draft step is synchronous (the host reads the accepted tokens before it
+schedules the next), so that share adds to the 78-layer step in full; a one-token step (k = 0) is
+scheduled asynchronously, so its host work overlaps the GPU and the step takes the longer of the two.
+TPOT divides the 78-layer step by the tokens a step yields: at the measured acceptance, and at
+`--acceptance` tokens a step (GLM-5's published 3.5 for 4 drafts; capped at k + 1), with and without the
+host's share. The last column divides the GPU-time TPOT at the stated acceptance by k = 0's, measured in
+the same run. `--modes`: `graph` (steps replayed as CUDA graphs, engine/rank/spec_graphs.py) and `eager`.
+`--profile DIR` writes a kernel table per profiled batch size of the deeper model.
 
     python bench/spec_step.py [--drafts 3] [--batches 1 8 32 64] [--contexts 8100] [--modes graph eager]
 """
@@ -35,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.step import (  # noqa: E402
-    TP, VOCAB, build_contexts, device_ms_per_step, rank_config, release, wall_ms_per_step,
+    TP, VOCAB, build_contexts, device_ms_per_step, profile_steps, rank_config, release, wall_ms_per_step,
 )
 from bench.timing import hbm_copy_gbs  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -63,7 +69,7 @@ def _engine(model_dir: str, k: int, mode: str, pages: int, args: argparse.Namesp
 
 
 def measure(engine: LLMEngine, prompts: list[list[int]], tokens: int, replay: list[list[int]] | None,
-            warmup: int = 3, steps: int = 8) -> tuple[Measured, list[list[int]]]:
+            warmup: int = 3, steps: int = 10) -> tuple[Measured, list[list[int]]]:
     """The batch's step times after its prefill and a warm-up; returns them and every request's output."""
     ids = [f"spec-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for i, (rid, prompt) in enumerate(zip(ids, prompts)):
@@ -104,8 +110,39 @@ def run(args: argparse.Namespace, k: int, mode: str, layers: int, pages: int
                     results[("replay", ctx, batch)], _ = measure(engine, prompts[:batch], args.tokens, outputs)
                 logger.info("k %d %s %d layers ctx %d B %d: %s", k, mode, layers, ctx, batch,
                             {s: round(m.step_ms, 2) for (s, c, b), m in results.items() if (c, b) == (ctx, batch)})
+            if args.profile is not None and layers == args.depths[1]:
+                args.profile.mkdir(parents=True, exist_ok=True)
+                for batch in args.profile_batches:
+                    profile_steps(engine, prompts[:batch], args.profile / f"k{k}-{mode}-ctx{ctx}-B{batch}.txt")
         release(engine)
         return results
+
+
+def derive(args: argparse.Namespace, k: int, batch: int, shallow_m: Measured, deep_m: Measured) -> dict:
+    """The 78-layer step and TPOTs of one (k, B, source) from its two depths' measurements."""
+    shallow, deep = args.depths
+    layer = (deep_m.device_ms - shallow_m.device_ms) / (deep - shallow)
+    fixed = shallow_m.device_ms - shallow * layer
+    gather = args.allreduce_us / 1e3 + batch * (k + 1) * VOCAB * 4 * (TP - 1) / TP / (args.gather_gbs * 1e6)
+    device78 = fixed + gather + 78 * (layer + 2 * args.allreduce_us / 1e3)
+    host = max(0.0, deep_m.step_ms - deep_m.device_ms)
+    wall78 = device78 + host if k else max(device78, deep_m.step_ms)
+    stated = min(args.acceptance, k + 1.0)
+    return dict(wall_shallow_ms=shallow_m.step_ms, wall_deep_ms=deep_m.step_ms, device_shallow_ms=shallow_m.device_ms,
+                device_deep_ms=deep_m.device_ms, device_layer_ms=layer, device_fixed_ms=fixed, host_ms=host,
+                device_step78_ms=device78, wall_step78_ms=wall78, tpot78_ms=device78 / deep_m.tokens_per_step,
+                tpot78_stated_ms=device78 / stated, wall_tpot78_stated_ms=wall78 / stated)
+
+
+def print_table(rows: list[dict]) -> None:
+    base = {(r["ctx"], r["B"]): r["tpot78_stated_ms"] for r in rows if r["k"] == 0 and r["mode"] == "graph"}
+    print(f"\n{'k':>2} {'mode':6} {'source':7} {'ctx':>6} {'B':>4} {'tok/st':>6} {'dev/l':>7} {'fixed':>6} "
+          f"{'host':>6} {'step78':>7} {'TPOT':>7} {'TPOT@a':>7} {'+host@a':>7} {'x k0':>5}")
+    for r in rows:
+        print(f"{r['k']:>2} {r['mode']:6} {r['source']:7} {r['ctx']:>6} {r['B']:>4} {r['tokens_per_step']:6.2f} "
+              f"{r['device_layer_ms']:7.3f} {r['device_fixed_ms']:6.2f} {r['host_ms']:6.2f} "
+              f"{r['device_step78_ms']:7.2f} {r['tpot78_ms']:7.2f} {r['tpot78_stated_ms']:7.2f} "
+              f"{r['wall_tpot78_stated_ms']:7.2f} {r['tpot78_stated_ms'] / base[(r['ctx'], r['B'])]:5.2f}")
 
 
 def main() -> None:
@@ -114,7 +151,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[8100])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--depths", type=int, nargs=2, default=[4, 8])
-    parser.add_argument("--tokens", type=int, default=64, help="output tokens of each request")
+    parser.add_argument("--tokens", type=int, default=96, help="output tokens of each request")
     parser.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens of the prefill")
     parser.add_argument("--pool-gib", type=float, default=60.0, help="KV pool of the engine")
     parser.add_argument("--allreduce-us", type=float, default=10.0, help="one TP8 all-reduce of a step's rows")
@@ -123,6 +160,8 @@ def main() -> None:
                         help="tokens a step yields at the stated acceptance (capped at k + 1)")
     parser.add_argument("--modes", nargs="+", default=["graph"], choices=["graph", "eager"])
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON lines here")
+    parser.add_argument("--profile", type=Path, default=None, help="folder for a kernel table per profiled batch size")
+    parser.add_argument("--profile-batches", type=int, nargs="+", default=[1])
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(f"HBM copy {hbm_copy_gbs():.0f} GB/s", flush=True)
@@ -134,32 +173,13 @@ def main() -> None:
     for k, mode in runs:
         t_shallow, t_deep = run(args, k, mode, shallow, pages), run(args, k, mode, deep, pages)
         for (source, ctx, batch), deep_m in t_deep.items():
-            shallow_m = t_shallow[(source, ctx, batch)]
-            row = dict(k=k, mode=mode, source=source, ctx=ctx, B=batch, tokens_per_step=deep_m.tokens_per_step)
-            for clock, a, b in (("wall", shallow_m.step_ms, deep_m.step_ms),
-                                ("device", shallow_m.device_ms, deep_m.device_ms)):
-                per_layer = (b - a) / (deep - shallow)
-                fixed = a - shallow * per_layer
-                rows_per_step = batch * (k + 1)
-                gather = args.allreduce_us / 1e3 + rows_per_step * VOCAB * 4 * (TP - 1) / TP / (args.gather_gbs * 1e6)
-                step78 = fixed + gather + 78 * (per_layer + 2 * args.allreduce_us / 1e3)
-                stated = min(args.acceptance, k + 1.0)
-                row.update({f"{clock}_layer_ms": per_layer, f"{clock}_fixed_ms": fixed, f"{clock}_step78_ms": step78,
-                            f"{clock}_tpot78_ms": step78 / deep_m.tokens_per_step,
-                            f"{clock}_tpot78_stated_ms": step78 / stated})
+            row = dict(k=k, mode=mode, source=source, ctx=ctx, B=batch, tokens_per_step=deep_m.tokens_per_step,
+                       **derive(args, k, batch, t_shallow[(source, ctx, batch)], deep_m))
             rows.append(row)
             if args.out:
                 with args.out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
-    base = {(r["ctx"], r["B"]): r for r in rows if r["k"] == 0 and r["mode"] == "graph"}
-    print(f"\n{'k':>2} {'mode':6} {'source':7} {'ctx':>6} {'B':>4} {'tok/st':>6} {'layer':>7} {'fixed':>7} "
-          f"{'dev/l':>7} {'step78':>7} {'TPOT':>7} {'TPOT@a':>7} {'devTPOT@a':>9} {'x graph k0':>10}")
-    for r in rows:
-        ref = base[(r["ctx"], r["B"])]["device_tpot78_ms"]
-        print(f"{r['k']:>2} {r['mode']:6} {r['source']:7} {r['ctx']:>6} {r['B']:>4} {r['tokens_per_step']:6.2f} "
-              f"{r['wall_layer_ms']:7.3f} {r['wall_fixed_ms']:7.2f} {r['device_layer_ms']:7.3f} "
-              f"{r['wall_step78_ms']:7.1f} {r['wall_tpot78_ms']:7.2f} {r['wall_tpot78_stated_ms']:7.2f} "
-              f"{r['device_tpot78_stated_ms']:9.2f} {r['device_tpot78_stated_ms'] / ref:10.2f}")
+    print_table(rows)
 
 
 if __name__ == "__main__":

@@ -156,6 +156,13 @@ def build_contexts(engine: LLMEngine, ctx: int, count: int, seed: int) -> list[l
     for prompt in prompts[1:]:
         hashes = engine.kv.lookup_prefix(prompt)[0][: mla.shape[0]]
         install_prefix(engine.kv, engine.executor, prompt, PrefixSnapshot(snap.num_tokens, hashes, mla, idx))
+    # A snapshot holds whole indexer pages only (`indexer_tokens_per_page` tokens each): the prompts' tails
+    # past them are prefilled once here, so every measured run starts from the same cached prefix (a first
+    # run that prefills more rows than a later one rounds differently, and its greedy tokens differ).
+    slots = engine.config.max_num_seqs
+    for start in range(1, count, slots):
+        engine.generate(prompts[start:start + slots], [SamplingParams(max_tokens=1, ignore_eos=True)] * len(
+            prompts[start:start + slots]))
     return prompts
 
 

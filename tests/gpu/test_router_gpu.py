@@ -32,7 +32,7 @@ def test_router_on_the_gpu_matches_the_cpu() -> None:
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tokens", [1, 8, 32])
+@pytest.mark.parametrize("tokens", [1, 4, 8, 32])
 def test_decode_router_logits_at_glm_shapes(tokens: int) -> None:
     """Decode batches take the partial-sum logits (tf32x3 dots): their sum is the float32 product within float32
     rounding at GLM-5.3's 256 x 6144 router, and routing on them picks the float32 product's experts."""
