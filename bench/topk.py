@@ -2,9 +2,10 @@
 
 K = 2048 of each row of float32 scores shaped like the indexer's (ReLU-weighted
 sums: exact zeros and repeats, -inf past each row's length), at the widths the
-engine scores (an 8K context's 12K bucket, 64K and 128K) and B = 1, 8, 64 rows.
-For each case: the median time per call in a CUDA graph of `topk_positions`
-at a few warp counts (rows wider than `MAX_KERNEL_WIDTH` take its sort), the
+engine scores (an 8K context's 12K bucket, 16K, 128K and 1M) and B = 1, 8, 64
+rows. For each case: the median time per call in a CUDA graph of
+`topk_positions` at a few warp counts (rows wider than `MAX_KERNEL_WIDTH` take
+the chunked radix select, at its own launch shape), the
 stable sort it replaced (`scores.sort(descending=True, stable=True)`, the engine's
 former selection) and `torch.topk` (ties broken arbitrarily: not usable as is,
 shown for scale), each checked or timed side by side in one run; and the
@@ -28,7 +29,8 @@ from bench.timing import OUT_DIR, bench_graph, hbm_copy_gbs, run_log  # noqa: E4
 from kernels.topk import MAX_KERNEL_WIDTH, topk_positions, topk_positions_ref  # noqa: E402
 
 K = 2048
-CASES = ((1, 8192), (1, 12288), (8, 12288), (64, 12288), (1, 16384), (64, 16384), (1, 131072))
+CASES = ((1, 8192), (1, 12288), (8, 12288), (64, 12288), (1, 16384), (64, 16384), (1, 131072), (8, 131072),
+         (64, 131072), (1, 1 << 20))
 WARPS = (None, 8, 16, 32)  # None: the launcher's default
 
 log = run_log("topk")

@@ -15,10 +15,22 @@ registers:
    histograms were slower: the indexer's many equal scores collide on one bin).
 2. Compaction: the keys above T, and the first (by position) of those equal to
    T, are written in position order (one prefix sum counts both kinds).
-Wider rows take the PyTorch form (a stable sort, then the K positions sorted),
-which is the twin. No host synchronisation, shapes fixed by (R, K): CUDA-graph
-capturable. Contents: the twin `topk_positions_ref`, the kernel and the
-launcher `topk_positions`.
+Wider rows (a full indexer layer at long context: 128K scores, up to 1M) are
+cut into chunks of `WIDE_CHUNK` scores, one program each, and select by radix:
+1. Four passes, one launch each, fix T a byte at a time from the top: every
+   chunk counts its keys that match the bytes fixed so far by their next byte
+   (a 256-bin histogram); the row's last chunk to arrive (an atomic counter per
+   row) adds the chunks' histograms, picks the byte whose keys hold the K-th
+   largest, and records, per chunk, its keys above T found at this byte (and, at
+   the last, its keys equal to T).
+2. Compaction (one launch): each chunk places its keys above T and its share of
+   the ties (the first ties of the row by position) after those of the chunks
+   before it.
+The same positions as the one-program kernel and the sort, in 5 launches whose
+programs each hold 4,096 scores, instead of one program per row (or a sort).
+No host synchronisation, shapes fixed by (R, W, K): CUDA-graph capturable.
+Contents: the twin `topk_positions_ref`, the kernels and the launcher
+`topk_positions`.
 """
 
 from __future__ import annotations
@@ -29,7 +41,9 @@ import triton.language as tl
 
 from kernels.fp8_gemm import _interpreting
 
-MAX_KERNEL_WIDTH = 16384  # scores a row may have for the kernel (held in registers); wider rows sort
+MAX_KERNEL_WIDTH = 16384  # scores a row may have for the one-program kernel (held in registers)
+WIDE_CHUNK = 4096  # scores per program of the radix select of wider rows
+_RADIX = 256  # one byte of the key per pass
 
 
 def topk_positions_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -73,6 +87,117 @@ def _topk_kernel(scores_ptr, out_ptr, width, k, stride_s, stride_o, BLOCK: tl.co
     tl.store(out_ptr + r * stride_o + place, cols.to(out_ptr.dtype.element_ty), mask=take)
 
 
+@triton.jit
+def _chunk_keys(scores_ptr, r, c, width, stride_s, CHUNK: tl.constexpr):
+    """Chunk c of row r: its columns, which of them lie inside the row, and their keys."""
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    inside = cols < width
+    key = _keys(tl.load(scores_ptr + r * stride_s + cols, mask=inside, other=0.0))
+    return cols, inside, key
+
+
+@triton.jit(do_not_specialize=["width", "k", "num_chunks"])
+def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr, width, k, num_chunks, stride_s,
+                       PASS: tl.constexpr, CHUNK: tl.constexpr, TILE_C: tl.constexpr):
+    """Pass PASS (0-3) of the radix select: this chunk's histogram of the keys that match T's bytes fixed so
+    far, by their next byte; the row's last chunk to arrive fixes that byte (state: T's bytes so far, and how
+    many of the matching keys are still to take) and adds, per chunk, the keys above T this byte separates."""
+    c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    shift: tl.constexpr = 24 - 8 * PASS
+    cols, inside, key = _chunk_keys(scores_ptr, r, c, width, stride_s, CHUNK)
+    if PASS == 0:
+        prefix = tl.zeros([], dtype=tl.uint32)
+        need = k
+        match = inside
+    else:
+        prefix = tl.load(state_ptr + r * 2).to(tl.uint32)
+        need = tl.load(state_ptr + r * 2 + 1)
+        match = inside & ((key >> (shift + 8)) == prefix)
+    digit = ((key >> shift) & 0xFF).to(tl.int32)
+    bins = tl.arange(0, 256)
+    # unmatched keys are counted in bin 0 and taken out again (a histogram with no mask)
+    hist = tl.histogram(tl.where(match, digit, 0), 256) - tl.where(bins == 0, tl.sum(tl.where(match, 0, 1)), 0)
+    row_hist = hist_ptr + r * num_chunks * 256
+    tl.store(row_hist + c * 256 + bins, hist)
+    tl.debug_barrier()  # the whole histogram is stored before the arrival is counted
+    arrived = tl.atomic_add(arrivals_ptr + r, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    if arrived == num_chunks - 1:  # the row's histograms are read as tiles of TILE_C chunks
+        tile_c = tl.arange(0, TILE_C)
+        total = tl.zeros([256], dtype=tl.int32)
+        for j0 in range(0, num_chunks, TILE_C):
+            tile_mask = (j0 + tile_c < num_chunks)[:, None]
+            tile = tl.load(row_hist + (j0 + tile_c)[:, None] * 256 + bins[None, :], mask=tile_mask, other=0,
+                           cache_modifier=".cg")
+            total += tl.sum(tile, 0)
+        at_or_above = tl.sum(total) - tl.cumsum(total, 0) + total  # keys whose byte is >= each bin
+        byte = tl.max(tl.where(at_or_above >= need, bins, -1))  # the K-th largest key's byte
+        above = tl.sum(tl.where(bins > byte, total, 0))
+        tl.store(state_ptr + r * 2, (prefix.to(tl.int64) << 8) | byte)
+        tl.store(state_ptr + r * 2 + 1, need - above)
+        for j0 in range(0, num_chunks, TILE_C):  # per chunk: keys above T found at this byte (last: its ties)
+            in_row = j0 + tile_c < num_chunks
+            tile = tl.load(row_hist + (j0 + tile_c)[:, None] * 256 + bins[None, :], mask=in_row[:, None], other=0,
+                           cache_modifier=".cg")
+            chunk_above = tl.sum(tl.where(bins[None, :] > byte, tile, 0), 1)
+            counted = counts_ptr + (r * num_chunks + j0 + tile_c) * 2
+            if PASS == 0:
+                tl.store(counted, chunk_above, mask=in_row)
+            else:
+                tl.store(counted, tl.load(counted, mask=in_row, other=0) + chunk_above, mask=in_row)
+            if PASS == 3:
+                tl.store(counted + 1, tl.sum(tl.where(bins[None, :] == byte, tile, 0), 1), mask=in_row)
+        tl.atomic_xchg(arrivals_ptr + r, 0, sem="relaxed", scope="gpu")  # re-armed for the next pass
+
+
+@triton.jit(do_not_specialize=["width", "num_chunks"])
+def _radix_place_kernel(scores_ptr, state_ptr, counts_ptr, out_ptr, width, num_chunks, stride_s, stride_o,
+                        CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Writes chunk c's chosen positions: its keys above T and the row's first ties (by position) that fall
+    in it, after the chosen keys of the chunks before it, in ascending position order."""
+    c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    cols, inside, key = _chunk_keys(scores_ptr, r, c, width, stride_s, CHUNK)
+    kth = tl.load(state_ptr + r * 2).to(tl.uint32)
+    ties_wanted = tl.load(state_ptr + r * 2 + 1).to(tl.int32)
+    earlier = tl.arange(0, BLOCK_C)
+    mask = earlier < c
+    above_before = tl.sum(tl.load(counts_ptr + (r * num_chunks + earlier) * 2, mask=mask, other=0))
+    ties_before = tl.sum(tl.load(counts_ptr + (r * num_chunks + earlier) * 2 + 1, mask=mask, other=0))
+    ties_here = tl.maximum(ties_wanted - ties_before, 0)
+    above = inside & (key > kth)
+    tie = inside & (key == kth)
+    before = tl.cumsum(tl.where(above, 1, 0) + tl.where(tie, 1 << 16, 0), 0)
+    take = above | (tie & ((before >> 16) - 1 < ties_here))
+    place = (above_before + tl.minimum(ties_before, ties_wanted)
+             + (before & 0xFFFF) + tl.minimum(before >> 16, ties_here) - 1)
+    tl.store(out_ptr + r * stride_o + place, cols.to(out_ptr.dtype.element_ty), mask=take)
+
+
+def radix_topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
+                         chunk: int = WIDE_CHUNK) -> torch.Tensor:
+    """`topk_positions` by the radix select in chunks of `chunk` scores (a power of two), at any width:
+    what rows wider than MAX_KERNEL_WIDTH take (module docstring)."""
+    _check(scores, k, kernel=True)
+    out = _out(scores, k, out)
+    if chunk < 16 or chunk & (chunk - 1) or chunk >= 1 << 16:
+        raise ValueError(f"chunk must be a power of two in [16, 32768], got {chunk}")
+    rows, width = scores.shape
+    if rows == 0:
+        return out
+    num_chunks = triton.cdiv(width, chunk)
+    hist = torch.empty(rows, num_chunks, _RADIX, dtype=torch.int32, device=scores.device)
+    state = torch.empty(rows, 2, dtype=torch.int64, device=scores.device)  # T's bytes so far, ties still to take
+    counts = torch.empty(rows, num_chunks, 2, dtype=torch.int32, device=scores.device)  # per chunk: above T, ties
+    arrivals = torch.zeros(rows, dtype=torch.int32, device=scores.device)
+    grid = (num_chunks, rows)
+    for p in range(4):
+        _radix_pass_kernel[grid](scores, hist, state, counts, arrivals, width, k, num_chunks, scores.stride(0),
+                                 PASS=p, CHUNK=chunk, TILE_C=16, num_warps=4)
+    _radix_place_kernel[grid](scores, state, counts, out, width, num_chunks, scores.stride(0), out.stride(0),
+                              CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4)
+    return out
+
+
 def _check(scores: torch.Tensor, k: int, kernel: bool) -> None:
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be float32 [R, W], got {tuple(scores.shape)} {scores.dtype}")
@@ -84,21 +209,27 @@ def _check(scores: torch.Tensor, k: int, kernel: bool) -> None:
         raise ValueError(f"scores are on {scores.device}: the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1)")
 
 
+def _out(scores: torch.Tensor, k: int, out: torch.Tensor | None) -> torch.Tensor:
+    rows = scores.shape[0]
+    if out is None:
+        return torch.empty((rows, k), dtype=torch.int64, device=scores.device)
+    if out.shape != (rows, k) or out.dtype not in (torch.int32, torch.int64) or out.stride(1) != 1:
+        raise ValueError(f"out must be int32/int64 [{rows}, {k}] with unit last stride, got {tuple(out.shape)} "
+                         f"{out.dtype}")
+    return out
+
+
 def topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
                    num_warps: int | None = None) -> torch.Tensor:
     """[R, K] positions of each row's K largest scores (see the module docstring), int64, or written into `out`
-    (an integer [R, K] tensor, e.g. a view of a larger buffer). `num_warps` overrides the kernel's default."""
+    (an integer [R, K] tensor, e.g. a view of a larger buffer). `num_warps` overrides the one-program
+    kernel's default."""
     _check(scores, k, kernel=True)
     rows, width = scores.shape
-    if out is None:
-        out = torch.empty((rows, k), dtype=torch.int64, device=scores.device)
-    elif out.shape != (rows, k) or out.dtype not in (torch.int32, torch.int64) or out.stride(1) != 1:
-        raise ValueError(f"out must be int32/int64 [{rows}, {k}] with unit last stride, got {tuple(out.shape)} "
-                         f"{out.dtype}")
-    if rows == 0:
-        return out
     if width > MAX_KERNEL_WIDTH:
-        out.copy_(topk_positions_ref(scores, k))
+        return radix_topk_positions(scores, k, out)
+    out = _out(scores, k, out)
+    if rows == 0:
         return out
     block = triton.next_power_of_2(width)
     _topk_kernel[(rows,)](scores, out, width, k, scores.stride(0), out.stride(0), BLOCK=block,

@@ -3,8 +3,9 @@
 Runs under the interpreter (TRITON_INTERPRET=1, set before triton is imported)
 on rows shaped like the indexer's scores: ReLU-weighted sums with many exact
 ties (0.0 and -0.0, repeated values), -inf past a row's visible length, widths
-that are not powers of two, K from 1 to the whole row, and a row too wide for
-the kernel (the sort). The positions must equal the twin's exactly: the set a stable sort
+that are not powers of two, K from 1 to the whole row, and rows too wide for
+one program (the chunked radix select, also run at small widths through small
+chunks). The positions must equal the twin's exactly: the set a stable sort
 chooses, in ascending position order. The GPU run at the indexer's real widths
 is tests/gpu/test_topk_gpu.py.
 """
@@ -20,7 +21,7 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
-from kernels.topk import MAX_KERNEL_WIDTH, topk_positions, topk_positions_ref  # noqa: E402
+from kernels.topk import MAX_KERNEL_WIDTH, radix_topk_positions, topk_positions, topk_positions_ref  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +77,38 @@ def test_topk_warps(num_warps):
     assert torch.equal(topk_positions(scores, 200, num_warps=num_warps), topk_positions_ref(scores, 200))
 
 
-def test_topk_wide_rows_take_the_sort():
+@pytest.mark.parametrize("rows, width, k, chunk", [
+    (3, 300, 64, 32),  # 10 chunks, the last one partial
+    (2, 1000, 1000, 64),  # K = the whole row
+    (4, 257, 1, 16),
+    (3, 700, 300, 16),  # 44 chunks, K larger than a chunk
+    (2, 5000, 2048, 256),
+])
+def test_radix_select_matches_stable_sort(rows, width, k, chunk):
+    """The chunked radix select (wide rows) at small widths through small chunks: the same positions."""
+    scores = indexer_like(rows, width, seed=rows * width + k)
+    assert torch.equal(radix_topk_positions(scores, k, chunk=chunk), topk_positions_ref(scores, k))
+
+
+def test_radix_select_signed_values_ties_across_chunks_and_int32_out():
+    """Negative scores, -0.0 against 0.0 across chunks, a row of one repeated value (every key ties: the first
+    K positions, taken over several chunks), a row of -inf; into a view, nothing written past K."""
+    gen = torch.Generator().manual_seed(6)
+    scores = torch.randn(4, 600, generator=gen)
+    scores[1, ::3] = -0.0
+    scores[1, 1::3] = 0.0
+    scores[2] = 0.5
+    scores[3] = float("-inf")
+    buf = torch.full((4, 140), -7, dtype=torch.int32)
+    out = radix_topk_positions(scores, 130, out=buf[:, :130], chunk=32)
+    assert torch.equal(out.long(), topk_positions_ref(scores, 130))
+    assert torch.equal(out[2], torch.arange(130, dtype=torch.int32)) and torch.equal(out[3], out[2])
+    assert (buf[:, 130:] == -7).all()
+    with pytest.raises(ValueError):
+        radix_topk_positions(scores, 4, chunk=24)
+
+
+def test_topk_wide_rows_take_the_radix_select():
     scores = indexer_like(2, MAX_KERNEL_WIDTH + 5, seed=3)
     assert torch.equal(topk_positions(scores, 64), topk_positions_ref(scores, 64))
 
