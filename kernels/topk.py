@@ -115,10 +115,12 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr
         match = inside & ((key >> (shift + 8)) == prefix)
     digit = ((key >> shift) & 0xFF).to(tl.int32)
     bins = tl.arange(0, 256)
-    # unmatched keys are counted in bin 0 and taken out again (a histogram with no mask)
-    hist = tl.histogram(tl.where(match, digit, 0), 256) - tl.where(bins == 0, tl.sum(tl.where(match, 0, 1)), 0)
+    # The histogram has no mask: unmatched keys go to bins 256-511, spread by column so that they do not
+    # collide on one shared-memory counter (the GPU counts each key with a shared atomic add), and are dropped.
+    hist = tl.histogram(tl.where(match, digit, 256 + (cols & 255)), 512)
     row_hist = hist_ptr + r * num_chunks * 256
-    tl.store(row_hist + c * 256 + bins, hist)
+    all_bins = tl.arange(0, 512)
+    tl.store(row_hist + c * 256 + all_bins, hist, mask=all_bins < 256)
     tl.debug_barrier()  # the whole histogram is stored before the arrival is counted
     arrived = tl.atomic_add(arrivals_ptr + r, 1, sem="acq_rel", scope="gpu")
     tl.debug_barrier()
