@@ -43,6 +43,8 @@ from kernels.fp8_gemm import _interpreting
 
 MAX_KERNEL_WIDTH = 16384  # scores a row may have for the one-program kernel (held in registers)
 WIDE_CHUNK = 4096  # scores per program of the radix select of wider rows
+_ZERO_KEY: tl.constexpr = tl.constexpr(0x80000000)  # the key of 0.0 and -0.0
+_NEG_INF_KEY: tl.constexpr = tl.constexpr(0x007FFFFF)  # the key of -inf
 _RADIX = 256  # one byte of the key per pass
 
 
@@ -115,11 +117,17 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr
         match = inside & ((key >> (shift + 8)) == prefix)
     digit = ((key >> shift) & 0xFF).to(tl.int32)
     bins = tl.arange(0, 256)
-    # The histogram has no mask: unmatched keys go to bins 256-511, spread by column so that they do not
-    # collide on one shared-memory counter (the GPU counts each key with a shared atomic add), and are dropped.
-    hist = tl.histogram(tl.where(match, digit, 256 + (cols & 255)), 512)
-    row_hist = hist_ptr + r * num_chunks * 256
+    # The GPU counts each key of a histogram with a shared-memory atomic add, so equal keys in a warp wait on
+    # one another. The indexer's common values, 0.0 (ReLU) and -inf (past a row's length), are counted by sums
+    # instead; they, and the keys that no longer match, go to bins 256-511 spread by column, which are dropped.
+    zero = match & (key == _ZERO_KEY)
+    neg_inf = match & (key == _NEG_INF_KEY)
+    rest = match & ~zero & ~neg_inf
+    hist = tl.histogram(tl.where(rest, digit, 256 + (cols & 255)), 512)
     all_bins = tl.arange(0, 512)
+    hist += tl.where(all_bins == (_ZERO_KEY >> shift) & 0xFF, tl.sum(zero.to(tl.int32)), 0)
+    hist += tl.where(all_bins == (_NEG_INF_KEY >> shift) & 0xFF, tl.sum(neg_inf.to(tl.int32)), 0)
+    row_hist = hist_ptr + r * num_chunks * 256
     tl.store(row_hist + c * 256 + all_bins, hist, mask=all_bins < 256)
     tl.debug_barrier()  # the whole histogram is stored before the arrival is counted
     arrived = tl.atomic_add(arrivals_ptr + r, 1, sem="acq_rel", scope="gpu")
