@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention_ops import AttentionOps
@@ -70,6 +71,7 @@ class SpecGraphs:
         self._logit_starts = torch.arange(requests, device=pool.device) * (self.k + 1)
         self._scratch_slots = scratch_slots(scratch_page, layout.page_size, torch.arange(requests, device=pool.device))
         self._batches: dict[SpecGraphKey, ForwardBatch] = {}
+        self._scratch_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # padded rows -> `_padding_slots`
         self.shapes = CapturedShapes(pool.device, "speculative")
 
     @property
@@ -116,30 +118,31 @@ class SpecGraphs:
     def _fill(self, key: SpecGraphKey, step: StepInput, residency: RankResidency | None
               ) -> tuple[ForwardBatch, torch.Tensor]:
         """Stages `step` into the buffers as `key`: request b's rows at b * (k + 1) on, padding rows after
-        them. Returns the key's batch and, for each of the step's rows in its own order, its padded row."""
+        them. Returns the key's batch and, for each of the step's rows in its own order, its padded row.
+        The index arithmetic is numpy's: a step's host work is on the critical path of a synchronous
+        verify-and-draft step."""
         per, n, buffers = self.k + 1, step.num_requests, self.buffers
-        rows, padded = key.requests * per, torch.arange(key.requests * per)
-        page, idx_page = self.layout.page_size, self.layout.indexer_tokens_per_page
-        starts = torch.tensor([start for start, _ in step.row_ranges])
-        counts = torch.tensor([end - start for start, end in step.row_ranges])
-        request = torch.arange(n).repeat_interleave(counts)
-        real = request * per + torch.arange(len(request)) - starts.repeat_interleave(counts)  # each row's padded row
-        last = torch.zeros(key.requests, dtype=torch.long)  # each request's last position (padding: 0)
-        last[:n] = step.positions[starts + counts - 1]
+        rows = key.requests * per
+        ranges = np.asarray(step.row_ranges, dtype=np.int64).reshape(n, 2)
+        starts, counts = ranges[:, 0], ranges[:, 1] - ranges[:, 0]
+        # each of the step's rows: its padded row (request b's rows from b * per on)
+        real = np.repeat(np.arange(n) * per - starts, counts) + np.arange(int(counts.sum()))
+        last = np.zeros(key.requests, dtype=np.int64)  # each request's last position (padding: 0)
+        last[:n] = step.positions.numpy()[starts + counts - 1]
 
-        def spread(values: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-            out = fill.clone()
-            out[real] = values
+        def spread(values: torch.Tensor, fill: np.ndarray) -> np.ndarray:
+            out = fill.copy()
+            out[real] = values.numpy()
             return out
 
         buffers.begin()
         put = buffers.put
-        put("input_ids", (rows,), 0, spread(step.input_ids, torch.zeros(rows, dtype=torch.long)))
-        put("positions", (rows,), 0, spread(step.positions, last.repeat_interleave(per)))
+        put("input_ids", (rows,), 0, spread(step.input_ids, np.zeros(rows, dtype=np.int64)))
+        put("positions", (rows,), 0, spread(step.positions, np.repeat(last, per)))
         put("next_ids", (rows,), -1)  # every row samples: the MTP layer reads each one's sampled token
-        for name, per_page in (("mla_write_slots", page), ("indexer_write_slots", idx_page)):
-            put(name, (rows,), 0, spread(getattr(step, name), scratch_slots(self.scratch_page, per_page, padded)))
-        put("context_lens", (key.requests,), 1, torch.tensor(step.context_lens))
+        for name, slots in zip(("mla_write_slots", "indexer_write_slots"), self._padding_slots(rows)):
+            put(name, (rows,), 0, spread(getattr(step, name), slots))
+        put("context_lens", (key.requests,), 1, np.asarray(step.context_lens, dtype=np.int64))
         put("num_drafts", (key.requests,), 0, step.draft.num_drafts)
         pages, idx_pages = table_pages(self.layout, key.context)
         put("mla_page_table", (key.requests, pages), self.scratch_page, step.mla_page_table)
@@ -147,7 +150,7 @@ class SpecGraphs:
         # Every row samples, so the step's sampling rows are its rows, in order (`key_for`).
         for name, fill in (("inv_temperature", 1.0), ("greedy", True), ("top_k", 0), ("top_p", 1.0), ("keys", 0)):
             values = getattr(step.sampling, name)
-            put(name, (rows,), fill, spread(values, torch.full((rows,), fill, dtype=values.dtype)))
+            put(name, (rows,), fill, spread(values, np.full(rows, fill, dtype=values.numpy().dtype)))
         put("real_rows", (len(real),), 0, real)
         leases = None
         if key.resolves:
@@ -161,6 +164,16 @@ class SpecGraphs:
         if leases is not None:
             batch.decode_leases.leases = leases
         return batch, buffers.view("real_rows", len(real))
+
+    def _padding_slots(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Scratch-page slots for `rows` padded rows (MLA, indexer): where padding rows write."""
+        slots = self._scratch_rows.get(rows)
+        if slots is None:
+            padded = torch.arange(rows)
+            slots = self._scratch_rows[rows] = tuple(
+                scratch_slots(self.scratch_page, per_page, padded).numpy()
+                for per_page in (self.layout.page_size, self.layout.indexer_tokens_per_page))
+        return slots
 
     def _batch(self, key: SpecGraphKey, residency: RankResidency | None) -> ForwardBatch:
         """The key's `ForwardBatch`: views of the buffers (the same tensors at every replay)."""
