@@ -28,7 +28,8 @@ def _params() -> list:
     return [greedy(NEW_TOKENS)] * len(PROMPT_LENS)
 
 
-def _engine(tiny_dir: Path, k: int, pressure: bool, enforce_eager: bool = True, dtype: str = "bfloat16"):  # noqa: ANN202
+def _engine(tiny_dir: Path, k: int, pressure: bool, enforce_eager: bool = True,  # noqa: ANN202
+            dtype: str = "bfloat16"):
     hisparse = HiSparseConfig(policy="hybrid", host_pool_gib=0.05) if pressure else HiSparseConfig()
     return make_engine(tiny_dir, device="cuda", dtype=dtype, kv_dtype="fp8",
                        enforce_eager=enforce_eager, num_speculative_tokens=k, num_gpu_pages=20 if pressure else 256,
