@@ -145,7 +145,8 @@ def device_ms_per_step(engine: LLMEngine, steps: int = 3) -> float:
 
 
 def build_contexts(engine: LLMEngine, ctx: int, count: int, seed: int) -> list[list[int]]:
-    """`count` prompts of `ctx + 1` tokens whose first `ctx` tokens' pages are cached, each on its own pages."""
+    """`count` prompts of `ctx + 1` tokens, each on its own pages, cached as a run of the prompt leaves them (so
+    every measured run of a prompt starts from the same cached prefix)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
     prompts = [torch.randint(10, vocab, (ctx + 1,), generator=gen).tolist() for _ in range(count)]
