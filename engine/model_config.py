@@ -79,11 +79,6 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def mla_row_dim(self) -> int:
-        """Values per cached MLA row: the normed latent then the roped key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
     def full_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
 

@@ -42,9 +42,6 @@ class PagePool:
             return self.num_pages - self.num_free
         return sum(1 for u in self._use if u is use)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int, use: PageUse) -> list[int]:
         """Takes `n` free pages, each with one reference."""
         if n > len(self._free):
