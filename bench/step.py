@@ -187,16 +187,17 @@ def measure(engine: LLMEngine, prompts: list[list[int]], warmup: int = 4, steps:
 
 
 def profile_steps(engine: LLMEngine, prompts: list[list[int]], path: Path, steps: int = 3) -> None:
-    """Writes every GPU kernel's launches and time per decode step, then the host's busiest ops, over
-    `steps` decode steps (torch.profiler) to `path`: the kernel list is what a layer's device time is
-    made of."""
+    """Writes every GPU kernel's launches and time per decode step, then the host's busiest ops, then the
+    ops with the most GPU time grouped by the Python lines that issued them, over `steps` decode steps
+    (torch.profiler) to `path`: the kernel list is what a layer's device time is made of, and in eager mode
+    the stacks name where each element-wise copy or gather comes from (a replayed graph has no stacks)."""
     params = SamplingParams(max_tokens=6 + steps + 4, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"profile-{i}", prompt, params)
     for _ in range(6):
         engine.step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+                                            torch.profiler.ProfilerActivity.CUDA], with_stack=True) as prof:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
@@ -212,7 +213,9 @@ def profile_steps(engine: LLMEngine, prompts: list[list[int]], path: Path, steps
     total = sum(sum(t) for t in kernels.values()) / steps
     lines.append(f"{total:9.1f} {sum(len(t) for t in kernels.values()) / steps:10.1f}  total")
     host = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
-    path.write_text("\n".join(lines) + "\n\n" + host)
+    stacks = prof.key_averages(group_by_stack_n=6).table(sort_by="self_device_time_total", row_limit=40,
+                                                         max_name_column_width=40)
+    path.write_text("\n".join(lines) + "\n\n" + host + "\n\n" + stacks)
 
 
 def layer_floor(cfg: ModelConfig, fmt: WeightFormat, batch: int, ctx: int, experts: float, gbs: float,
