@@ -1,6 +1,6 @@
 """Speculative decoding's step against decoding one token a step, at one rank's share of GLM-5.3 (TP 8).
 
-For k = 0 .. `--drafts` draft tokens a step and each batch size B, the step's wall time (steps back to back)
+For each k of `--drafts` (draft tokens a step; 0 always) and each batch size B, the step's wall time (steps back to back)
 and its GPU time (torch.profiler), at two depths (4 and 8 layers, with the MTP layer on top), so the
 per-layer time and the fixed part (sampling, the MTP layer's drafting, outputs) separate, as in
 bench/step.py whose shapes and contexts this reuses. Two draft sources whose acceptance is known:
@@ -22,7 +22,8 @@ host's share. The last column divides the GPU-time TPOT at the stated acceptance
 the same run. `--modes`: `graph` (steps replayed as CUDA graphs, engine/rank/spec_graphs.py) and `eager`.
 `--profile DIR` writes a kernel table per profiled batch size of the deeper model.
 
-    python bench/spec_step.py [--drafts 4] [--batches 1 8 32 64] [--contexts 8100] [--modes graph eager]
+    python bench/spec_step.py [--drafts 1 2 3 4] [--batches 1 8 32 64] [--contexts 8100] [--modes graph eager]
+                              [--depths 4 8] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -147,8 +148,8 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--drafts", type=int, default=4,
-                        help="the largest k measured (from 0; GLM-5's published 3.5 tokens a step are for 4)")
+    parser.add_argument("--drafts", type=int, nargs="+", default=[1, 2, 3, 4],
+                        help="the k measured beside k = 0 (GLM-5's published 3.5 tokens a step are for 4)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[8100])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--depths", type=int, nargs=2, default=[4, 8])
@@ -170,7 +171,7 @@ def main() -> None:
     layout = KVLayout.for_model(ModelConfig.from_dict(rank_config(deep, True)), "fp8", draft_layers=1)
     pages = int(args.pool_gib * 2**30 // layout.page_bytes)
     rows = []
-    runs = [(k, mode) for mode in dict.fromkeys(["graph", *args.modes]) for k in range(args.drafts + 1)]
+    runs = [(k, mode) for mode in dict.fromkeys(["graph", *args.modes]) for k in sorted({0, *args.drafts})]
     for k, mode in runs:
         t_shallow, t_deep = run(args, k, mode, shallow, pages), run(args, k, mode, deep, pages)
         for (source, ctx, batch), deep_m in t_deep.items():
