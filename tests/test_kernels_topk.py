@@ -108,9 +108,10 @@ def test_radix_select_signed_values_ties_across_chunks_and_int32_out():
         radix_topk_positions(scores, 4, chunk=24)
 
 
-def test_topk_wide_rows_take_the_radix_select():
-    scores = indexer_like(2, MAX_KERNEL_WIDTH + 5, seed=3)
-    assert torch.equal(topk_positions(scores, 64), topk_positions_ref(scores, 64))
+@pytest.mark.parametrize("width, k", [(MAX_KERNEL_WIDTH + 5, 64), (70001, 2048)])  # 5 and 18 chunks of 4,096
+def test_topk_wide_rows_take_the_radix_select(width, k):
+    scores = indexer_like(2, width, seed=3)
+    assert torch.equal(topk_positions(scores, k), topk_positions_ref(scores, k))
 
 
 def test_topk_rejects_bad_input():
