@@ -45,7 +45,6 @@ MAX_KERNEL_WIDTH = 16384  # scores a row may have for the one-program kernel (he
 WIDE_CHUNK = 4096  # scores per program of the radix select of wider rows
 _ZERO_KEY: tl.constexpr = tl.constexpr(0x80000000)  # the key of 0.0 and -0.0
 _NEG_INF_KEY: tl.constexpr = tl.constexpr(0x007FFFFF)  # the key of -inf
-_RADIX = 256  # one byte of the key per pass
 
 
 def topk_positions_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -188,14 +187,19 @@ def radix_topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None 
     """`topk_positions` by the radix select in chunks of `chunk` scores (a power of two), at any width:
     what rows wider than MAX_KERNEL_WIDTH take (module docstring)."""
     _check(scores, k, kernel=True)
-    out = _out(scores, k, out)
     if chunk < 16 or chunk & (chunk - 1) or chunk >= 1 << 16:
         raise ValueError(f"chunk must be a power of two in [16, 32768], got {chunk}")
+    out = _out(scores, k, out)
+    if scores.shape[0]:
+        _radix_select(scores, k, out, chunk)
+    return out
+
+
+def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int) -> None:
+    """The radix select's launches for checked inputs (at least one row)."""
     rows, width = scores.shape
-    if rows == 0:
-        return out
     num_chunks = triton.cdiv(width, chunk)
-    hist = torch.empty(rows, num_chunks, _RADIX, dtype=torch.int32, device=scores.device)
+    hist = torch.empty(rows, num_chunks, 256, dtype=torch.int32, device=scores.device)  # a bin per byte value
     state = torch.empty(rows, 2, dtype=torch.int64, device=scores.device)  # T's bytes so far, ties still to take
     counts = torch.empty(rows, num_chunks, 2, dtype=torch.int32, device=scores.device)  # per chunk: above T, ties
     arrivals = torch.zeros(rows, dtype=torch.int32, device=scores.device)
@@ -205,7 +209,6 @@ def radix_topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None 
                                  PASS=p, CHUNK=chunk, TILE_C=16, num_warps=4)
     _radix_place_kernel[grid](scores, state, counts, out, width, num_chunks, scores.stride(0), out.stride(0),
                               CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4)
-    return out
 
 
 def _check(scores: torch.Tensor, k: int, kernel: bool) -> None:
@@ -236,10 +239,11 @@ def topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
     kernel's default."""
     _check(scores, k, kernel=True)
     rows, width = scores.shape
-    if width > MAX_KERNEL_WIDTH:
-        return radix_topk_positions(scores, k, out)
     out = _out(scores, k, out)
     if rows == 0:
+        return out
+    if width > MAX_KERNEL_WIDTH:
+        _radix_select(scores, k, out, WIDE_CHUNK)
         return out
     block = triton.next_power_of_2(width)
     _topk_kernel[(rows,)](scores, out, width, k, scores.stride(0), out.stride(0), BLOCK=block,
