@@ -154,8 +154,7 @@ class DecodeGraphs:
             "context_lens": (rows, torch.long),
             "mla_write_slots": (rows, torch.long), "indexer_write_slots": (rows, torch.long),
             "mla_page_table": (rows * pages, torch.long), "indexer_page_table": (rows * idx_pages, torch.long),
-            "inv_temperature": (rows, torch.float32), "greedy": (rows, torch.bool), "top_k": (rows, torch.long),
-            "top_p": (rows, torch.float32), "keys": (rows, torch.long), **lease_buffers(rows, pages, groups),
+            **sampling_buffers(rows), **lease_buffers(rows, pages, groups),
         }, pool.device)
         self._batches: dict[GraphKey, ForwardBatch] = {}
         self.shapes = CapturedShapes(pool.device, "decode")
@@ -172,14 +171,8 @@ class DecodeGraphs:
 
     def key_for(self, step: StepInput) -> GraphKey | None:
         """The shape `step` runs as, or None when it must run eagerly."""
-        if not step.is_decode or step.num_requests > self.batch_sizes[-1]:
-            return None
-        longest = max(step.context_lens)
-        width = next((w for w in self.widths if w >= longest), None)
-        if width is None:
-            return None
-        rows = next(b for b in self.batch_sizes if b >= step.num_requests)
-        return GraphKey(rows, width, bool(step.nonresident), step.sampling.mode)
+        bucket = shape_bucket(self.batch_sizes, self.widths, step) if step.is_decode else None
+        return None if bucket is None else GraphKey(*bucket, bool(step.nonresident), step.sampling.mode)
 
     def capture_common(self, residency: RankResidency | None) -> None:
         """Captures the greedy shapes at the narrowest width, largest first (they share one memory pool),
@@ -239,7 +232,7 @@ class DecodeGraphs:
         put("indexer_page_table", (rows, idx_pages), self.scratch_page,
             None if step is None else step.indexer_page_table)
         sampling = None if step is None else step.sampling
-        for name, fill in (("inv_temperature", 1.0), ("greedy", True), ("top_k", 0), ("top_p", 1.0), ("keys", 0)):
+        for name, fill in SAMPLING_PADDING:
             put(name, (rows,), fill, None if sampling is None else getattr(sampling, name))
         leases = stage_leases(buffers, rows, pages, step, residency, self.scratch_page) if key.resolves else None
         buffers.end()
@@ -337,10 +330,31 @@ def table_pages(layout: KVLayout, width: int) -> tuple[int, int]:
     return width // layout.page_size, -(-width // layout.indexer_tokens_per_page)
 
 
-def scratch_slots(scratch_page: int, per_page: int, rows: torch.Tensor) -> torch.Tensor:
+def scratch_slots(scratch_page: int, per_page: int, rows: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     """Slots of the scratch page for `rows` (a row number each), distinct where they fit: where padding rows and
     throwaway rows write."""
     return scratch_page * per_page + rows % per_page
+
+
+def shape_bucket(batch_sizes: tuple[int, ...], widths: tuple[int, ...], step: StepInput) -> tuple[int, int] | None:
+    """(padded request count, page-table width) of the smallest captured shape that holds `step`, or None when
+    it has more requests or context than the largest."""
+    if step.num_requests > batch_sizes[-1]:
+        return None
+    width = next((w for w in widths if w >= max(step.context_lens)), None)
+    if width is None:
+        return None
+    return next(b for b in batch_sizes if b >= step.num_requests), width
+
+
+# What a padding row samples with: greedily, so its draw keys and cuts are never read.
+SAMPLING_PADDING = (("inv_temperature", 1.0), ("greedy", True), ("top_k", 0), ("top_p", 1.0), ("keys", 0))
+
+
+def sampling_buffers(rows: int) -> dict[str, tuple[int, torch.dtype]]:
+    """The `StepBuffers` of `rows` rows' sampling parameters (`sampling_views` reads them)."""
+    return {"inv_temperature": (rows, torch.float32), "greedy": (rows, torch.bool), "top_k": (rows, torch.long),
+            "top_p": (rows, torch.float32), "keys": (rows, torch.long)}
 
 
 def sampling_views(buffers: StepBuffers, rows: int, mode: SamplerMode) -> SamplingBatch:

@@ -27,13 +27,15 @@ from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
 from engine.model import GlmMoeDsaForCausalLM
 from engine.rank.decode_graphs import (
-    CapturedShapes, GraphConfig, Sampler, StepBuffers, batch_sizes, buffered_batch, context_widths, lease_buffers,
-    lease_views, sampling_views, scratch_slots, stage_leases, table_pages,
+    SAMPLING_PADDING, CapturedShapes, GraphConfig, Sampler, StepBuffers, batch_sizes, buffered_batch, context_widths,
+    lease_buffers, lease_views, sampling_buffers, sampling_views, scratch_slots, shape_bucket, stage_leases,
+    table_pages,
 )
 from engine.rank.speculative import speculative_step
 from engine.rank.step import DraftInput, StepInput
 from engine.sampler import SamplerMode
 from residency.rank import RankResidency
+
 
 @dataclass(frozen=True)
 class SpecGraphKey:
@@ -63,15 +65,13 @@ class SpecGraphs:
             "mla_write_slots": (rows, torch.long), "indexer_write_slots": (rows, torch.long),
             "context_lens": (requests, torch.long), "num_drafts": (requests, torch.long),
             "mla_page_table": (requests * pages, torch.long), "indexer_page_table": (requests * idx_pages, torch.long),
-            "inv_temperature": (rows, torch.float32), "greedy": (rows, torch.bool), "top_k": (rows, torch.long),
-            "top_p": (rows, torch.float32), "keys": (rows, torch.long), "real_rows": (rows, torch.long),
+            "real_rows": (rows, torch.long), **sampling_buffers(rows),
             **lease_buffers(requests, pages, len(layout.group_sizes)),
         }, pool.device)
         # Each request's first row, and a scratch-page slot each for the drafting passes' throwaway rows.
         self._logit_starts = torch.arange(requests, device=pool.device) * (self.k + 1)
         self._scratch_slots = scratch_slots(scratch_page, layout.page_size, torch.arange(requests, device=pool.device))
         self._batches: dict[SpecGraphKey, ForwardBatch] = {}
-        self._scratch_rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # padded rows -> `_padding_slots`
         self.shapes = CapturedShapes(pool.device, "speculative")
 
     @property
@@ -85,14 +85,9 @@ class SpecGraphs:
     def key_for(self, step: StepInput) -> SpecGraphKey | None:
         """The shape `step` runs as, or None when it must run eagerly: it has rows that sample nothing (a
         prefill chunk), or more requests or context than the buffers hold."""
-        if (step.draft is None or step.num_logits != int(step.input_ids.shape[0])
-                or step.num_requests > self.batch_sizes[-1]):
-            return None
-        width = next((w for w in self.widths if w >= max(step.context_lens)), None)
-        if width is None:
-            return None
-        requests = next(b for b in self.batch_sizes if b >= step.num_requests)
-        return SpecGraphKey(requests, width, bool(step.nonresident), step.sampling.mode)
+        every_row_samples = step.draft is not None and step.num_logits == int(step.input_ids.shape[0])
+        bucket = shape_bucket(self.batch_sizes, self.widths, step) if every_row_samples else None
+        return None if bucket is None else SpecGraphKey(*bucket, bool(step.nonresident), step.sampling.mode)
 
     def launch(self, key: SpecGraphKey, step: StepInput, residency: RankResidency | None) -> torch.Tensor:
         """Runs `step` as `key` (replays its graph, or runs through the buffers and captures after, on a
@@ -140,15 +135,17 @@ class SpecGraphs:
         put("input_ids", (rows,), 0, spread(step.input_ids, np.zeros(rows, dtype=np.int64)))
         put("positions", (rows,), 0, spread(step.positions, np.repeat(last, per)))
         put("next_ids", (rows,), -1)  # every row samples: the MTP layer reads each one's sampled token
-        for name, slots in zip(("mla_write_slots", "indexer_write_slots"), self._padding_slots(rows)):
-            put(name, (rows,), 0, spread(getattr(step, name), slots))
+        padded = np.arange(rows)
+        for name, per_page in (("mla_write_slots", self.layout.page_size),
+                               ("indexer_write_slots", self.layout.indexer_tokens_per_page)):
+            put(name, (rows,), 0, spread(getattr(step, name), scratch_slots(self.scratch_page, per_page, padded)))
         put("context_lens", (key.requests,), 1, np.asarray(step.context_lens, dtype=np.int64))
         put("num_drafts", (key.requests,), 0, step.draft.num_drafts)
         pages, idx_pages = table_pages(self.layout, key.context)
         put("mla_page_table", (key.requests, pages), self.scratch_page, step.mla_page_table)
         put("indexer_page_table", (key.requests, idx_pages), self.scratch_page, step.indexer_page_table)
         # Every row samples, so the step's sampling rows are its rows, in order (`key_for`).
-        for name, fill in (("inv_temperature", 1.0), ("greedy", True), ("top_k", 0), ("top_p", 1.0), ("keys", 0)):
+        for name, fill in SAMPLING_PADDING:
             values = getattr(step.sampling, name)
             put(name, (rows,), fill, spread(values, np.full(rows, fill, dtype=values.numpy().dtype)))
         put("real_rows", (len(real),), 0, real)
@@ -164,16 +161,6 @@ class SpecGraphs:
         if leases is not None:
             batch.decode_leases.leases = leases
         return batch, buffers.view("real_rows", len(real))
-
-    def _padding_slots(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        """Scratch-page slots for `rows` padded rows (MLA, indexer): where padding rows write."""
-        slots = self._scratch_rows.get(rows)
-        if slots is None:
-            padded = torch.arange(rows)
-            slots = self._scratch_rows[rows] = tuple(
-                scratch_slots(self.scratch_page, per_page, padded).numpy()
-                for per_page in (self.layout.page_size, self.layout.indexer_tokens_per_page))
-        return slots
 
     def _batch(self, key: SpecGraphKey, residency: RankResidency | None) -> ForwardBatch:
         """The key's `ForwardBatch`: views of the buffers (the same tensors at every replay)."""
