@@ -291,12 +291,13 @@ class LLMEngine:
             start += drafts + 1
             self.spec_stats.record(drafts, accepted)
             rejected[req.request_id] = drafts - accepted
-            ended = len(finishing)
+            ended, done = len(finishing), False
             for token in tokens:
                 outputs.append(self._complete(req, token, finishing))
-                if req.is_finished or len(finishing) > ended:
+                done = req.is_finished or len(finishing) > ended  # failed, or stopped by this token
+                if done:
                     break
-            if req.is_finished or len(finishing) > ended:
+            if done:
                 req.draft_token_ids = []
                 self._replayed_drafts.pop(req.request_id, None)
             else:

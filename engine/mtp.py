@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from engine.attention import Selection, StepContext
+from engine.decoder_layer import DecoderLayer
 from engine.layers import RMSNorm
 from engine.linear import WeightFormat, make_linear
-from engine.decoder_layer import DecoderLayer
 from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
 

@@ -172,9 +172,11 @@ class Worker:
             tokens = self._eager(step)
         staging = self._staging[self.num_launched % len(self._staging)]
         self.num_launched += 1
-        n = step.num_logits if step.draft is None else int(tokens.shape[0])
         if step.draft is None:
-            self.last_tokens[:n].copy_(tokens[:n])
+            n = step.num_logits
+            self.last_tokens[:n].copy_(tokens[:n])  # the next step's unread inputs
+        else:  # a speculative step runs alone: everything it returns is read before the next is built
+            n = int(tokens.shape[0])
         staging.tokens[:n].copy_(tokens[:n], non_blocking=True)
         if self.residency is not None:
             self.residency.counts_into(staging.counts)
