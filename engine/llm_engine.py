@@ -32,6 +32,7 @@ from engine.kv_layout import KVLayout
 from engine.memory_plan import GIB, MemoryBudget, num_gpu_pages, request_footprint
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
+from engine.mtp import draft_layers
 from engine.rank.decode_graphs import GraphConfig
 from engine.rank.worker import WorkerSpec
 from engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
@@ -87,8 +88,8 @@ class LLMEngine:
         self.num_speculative_tokens = config.num_speculative_tokens
         if self.num_speculative_tokens and self.model_config.num_nextn_predict_layers < 1:
             raise ValueError("num_speculative_tokens needs a model with an MTP layer (num_nextn_predict_layers)")
-        draft_layers = 1 if self.num_speculative_tokens else 0
-        self.layout = KVLayout.for_model(self.model_config, config.kv_format, draft_layers=draft_layers)
+        self.layout = KVLayout.for_model(self.model_config, config.kv_format,
+                                         draft_layers=draft_layers(self.num_speculative_tokens))
         self.device = torch.device(config.device)
         weight_format = config.weight_format(self.model_config.fp8_block_checkpoint)
         check_shardable(self.model_config, config.tensor_parallel_size, weight_format.kind == "fp8")

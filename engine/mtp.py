@@ -29,6 +29,12 @@ from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
 
 
+def draft_layers(num_speculative_tokens: int) -> int:
+    """MTP layers a replica drafting `num_speculative_tokens` tokens a step builds (and its pages hold rows of):
+    one, iterated for every draft after the first, as the published recipe runs it."""
+    return 1 if num_speculative_tokens else 0
+
+
 class SharedHead(nn.Module):
     """The MTP layer's output norm (its `head` is the target's `lm_head`)."""
 

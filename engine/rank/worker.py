@@ -29,6 +29,7 @@ from engine.kv_layout import KVFormat, KVLayout
 from engine.linear import WeightFormat
 from engine.model import build_model
 from engine.model_config import ModelConfig
+from engine.mtp import draft_layers
 from engine.page_tables import PageTableStore
 from engine.rank.decode_graphs import DecodeGraphs, GraphConfig, scratch_slots
 from engine.rank.spec_graphs import SpecGraphs
@@ -85,11 +86,11 @@ class Worker:
     def __init__(self, spec: WorkerSpec, rank: int, device: torch.device) -> None:
         self.rank, self.device = rank, device
         cfg = ModelConfig.from_dir(spec.model_dir)
-        draft_layers = 1 if spec.num_speculative_tokens else 0
-        self.layout = KVLayout.for_model(cfg, spec.kv_format, draft_layers=draft_layers)
+        num_draft_layers = draft_layers(spec.num_speculative_tokens)
+        self.layout = KVLayout.for_model(cfg, spec.kv_format, draft_layers=num_draft_layers)
         self.index_topk = cfg.index_topk
         tp = TensorParallel(rank, spec.tp_size)
-        self.model = build_model(cfg, tp, spec.weight_format, spec.dtype, device, draft_layers)
+        self.model = build_model(cfg, tp, spec.weight_format, spec.dtype, device, num_draft_layers)
         self.model.hold_float32_parts()
         if spec.random_seed is not None:
             random_init(self.model, spec.random_seed)
