@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8_pack import _e4m3_bits
 
 FP8_BLOCK = 128
@@ -235,7 +236,9 @@ def _quantize_groups(x, SOFT_CVT: tl.constexpr):
 
 @triton.jit
 def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm, stride_sm,
-                      GROUPS: tl.constexpr, SOFT_CVT: tl.constexpr):
+                      GROUPS: tl.constexpr, SOFT_CVT: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     m = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     col = g[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -253,9 +256,11 @@ def _fp8_gemm_kernel(
     M, N, K, kb_per_split, splits,
     stride_am, stride_asm, stride_wn, stride_wsn, stride_wsk, stride_cs, stride_cm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr,
+    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     BLOCK_K: tl.constexpr = 128
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -331,13 +336,15 @@ def _fp8_gemm_kernel(
 def _fp8_gemv_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, N, K,
     stride_am, stride_asm, stride_wn, stride_wsn, stride_wsk, stride_om,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[m, n-tile] for one token m: the weight rows streamed once over the whole K, each element's
     product with the token's dequantised activation accumulated in float32 registers, the block scales
     folded into the activation (BLOCK_N divides 128, so one weight scale row per program). No split of K,
     so no partials and no last-arrival sum: the launch ends when its loads do. The K loop is unrolled, so
-    every tile's loads are issued before the first product waits on one."""
+    every tile's loads are issued before the first product waits on one. With PDL the first tile's weights
+    are requested before the wait for the kernel before (kernels/pdl.py)."""
+    pdl.begin(PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -349,12 +356,16 @@ def _fp8_gemv_kernel(
     for kt in tl.static_range(K_TILES):
         k0 = kt * BLOCK_K
         cols = k0 + offs_k
+        kmask = cols < K
         if EVEN_K:
             w = tl.load(w_rows + k0, mask=nmask[:, None], other=0.0)
+        else:
+            w = tl.load(w_rows + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
+        if kt == 0:
+            pdl.wait(PDL)
+        if EVEN_K:
             a = tl.load(a_ptr + m * stride_am + cols)
         else:
-            kmask = cols < K
-            w = tl.load(w_rows + k0, mask=nmask[:, None] & kmask[None, :], other=0.0)
             a = tl.load(a_ptr + m * stride_am + cols, mask=kmask, other=0.0)
         group = tl.minimum(cols, K - 1) // 128
         scale = tl.load(as_ptr + m * stride_asm + group) * tl.load(ws_row + group * stride_wsk)
@@ -452,6 +463,7 @@ def _quantize_into(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> None:
     groups = min(8, triton.next_power_of_2(nb))
     _quant_act_kernel[(m, triton.cdiv(nb, groups))](
         x, q, s, k, nb, x.stride(0), q.stride(0), s.stride(0), GROUPS=groups, SOFT_CVT=_soft_cvt(), num_warps=4,
+        **pdl.launch_options(x.device),
     )
 
 
@@ -506,7 +518,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
             a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
             out.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.gemv_block_k, K_TILES=triton.cdiv(k, cfg.gemv_block_k),
             EVEN_K=k % cfg.gemv_block_k == 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
         )
         return out.reshape(*lead, n)
     nb = _blocks(k)
@@ -525,6 +537,6 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
         partials.stride(0) if splits > 1 else 0, partials.stride(1) if splits > 1 else 0, out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
         SWAP_AB=cfg.swap_ab, EVEN_K=k % FP8_BLOCK == 0, SPLIT=splits > 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )
     return out.reshape(*lead, n)

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fp8_rows
+from kernels import fp8_rows, pdl
 from kernels.rope import rotated_pairs
 
 
@@ -115,8 +115,10 @@ def _pack_kernel(
     x_stride, rope_stride, page_bytes, row_offset, token_stride, scale_offset, scale_stride, eps, table_stride,
     TOKENS: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, BS: tl.constexpr,
     NB_P: tl.constexpr, BS_P: tl.constexpr, DR: tl.constexpr, DR_P: tl.constexpr,
-    NORM: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr,
+    NORM: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + n).to(tl.int64)
     page = pool_ptr + (slot // TOKENS) * page_bytes
@@ -213,6 +215,7 @@ def _launch(x: torch.Tensor, rope: torch.Tensor | None, pool: torch.Tensor, slot
         NB_P=triton.next_power_of_2(num_blocks), BS_P=triton.next_power_of_2(bs),
         DR=dr, DR_P=triton.next_power_of_2(max(dr, 1)), NORM=prep is not None, ROTATE=prep is not None,
         INTERLEAVED=prep is not None and prep.interleaved, DT=_DT.get(x.dtype, tl.float32), num_warps=4,
+        **pdl.launch_options(x.device)
     )
 
 

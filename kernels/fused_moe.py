@@ -65,7 +65,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8_gemm import (
+
+
     _DEFAULT_SMS,
     FP8_BLOCK,
     Fp8Activations,
@@ -244,10 +247,12 @@ def _gate_up_kernel(
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_ps, stride_pm,
     FP8: tl.constexpr, SOFT_CVT: tl.constexpr, IEEE: tl.constexpr, COMPUTE: tl.constexpr, SWAP_AB: tl.constexpr,
     SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[r, n] = silu(x[tok(r)] . gate_e[n]) * (x[tok(r)] . up_e[n]) for the rows r of one block of expert e
     (with SPLIT, over one range of H; the tile's last range finishes it)."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     nt = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -324,9 +329,11 @@ def _down_kernel(
     num_slots, top_k, hidden, inter,
     stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_twt, stride_twj, stride_ym,
     FP8: tl.constexpr, SOFT_CVT: tl.constexpr, IEEE: tl.constexpr, COMPUTE: tl.constexpr, SWAP_AB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """y[slot(r), n] = topk_weight(slot(r)) * (h[r] . down_e[n]) for the rows r of one block of expert e."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     nt = tl.program_id(0)
     b = tl.program_id(1)
     if b * BLOCK_M >= tl.load(npad_ptr):
@@ -372,8 +379,10 @@ def _down_kernel(
 
 @triton.jit
 def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, hidden, num_experts, stride_it, stride_ij, stride_ym, stride_ot,
-                      TOP_K: tl.constexpr, BLOCK: tl.constexpr, SOFT_CVT: tl.constexpr):
+                      TOP_K: tl.constexpr, BLOCK: tl.constexpr, SOFT_CVT: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum over j in order of y[t*k + j], slots with an id outside [0, E) skipped."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < hidden
@@ -500,7 +509,7 @@ def fused_moe(
         FP8=fp8, SOFT_CVT=soft, IEEE=ieee, COMPUTE=compute, SWAP_AB=cfg.swap_ab,
         SPLIT=splits > 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(ops.xq.device)
     )
     actq, acts = quantize_activations(act) if fp8 else (act, act)
     _down_kernel[(triton.cdiv(h, cfg.block_n_down), max_blocks)](
@@ -510,12 +519,12 @@ def fused_moe(
         y.stride(0),
         FP8=fp8, SOFT_CVT=soft, IEEE=ieee, COMPUTE=compute, SWAP_AB=cfg.swap_ab,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
-        num_warps=cfg.num_warps_down, num_stages=cfg.num_stages_down,
+        num_warps=cfg.num_warps_down, num_stages=cfg.num_stages_down, **pdl.launch_options(actq.device)
     )
     block = min(1024, triton.next_power_of_2(h))
     _sum_slots_kernel[(t, triton.cdiv(h, block))](
         y, topk_ids, res, h, num_experts, topk_ids.stride(0), topk_ids.stride(1), y.stride(0), res.stride(0),
-        TOP_K=k, BLOCK=block, SOFT_CVT=soft, num_warps=4,
+        TOP_K=k, BLOCK=block, SOFT_CVT=soft, num_warps=4, **pdl.launch_options(y.device)
     )
     return res
 

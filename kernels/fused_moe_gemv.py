@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8_gemm import Fp8Activations, _quantize_groups, _soft_cvt, _take_quantized
+from kernels import pdl
 from kernels.fp8_pack import _cast_out
 
 if TYPE_CHECKING:
@@ -56,11 +57,14 @@ def _gate_up_gemv_kernel(
     top_k, hidden, inter, num_experts,
     stride_xt, stride_xst, stride_it, stride_ij, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_hm,
     FP8: tl.constexpr, SOFT_CVT: tl.constexpr, COMPUTE: tl.constexpr, K_TILES: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[s, n-tile] = silu(gate_e . x[t]) * (up_e . x[t]) for slot s = t*k + j of expert e = ids[t, j]: the
     expert's gate and up rows streamed once over the whole H, float32 products summed in registers (no
-    K split, no partials); the block scales fold into the activation (BLOCK_N divides 128)."""
+    K split, no partials); the block scales fold into the activation (BLOCK_N divides 128). Which rows to
+    stream is the router's output, so with PDL nothing is loaded before the wait."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     nt = tl.program_id(0)
     s = tl.program_id(1)
     t = (s // top_k).to(tl.int64)
@@ -106,13 +110,15 @@ def _down_gemv_kernel(
     stride_hm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_it, stride_ij,
     stride_twt, stride_twj, stride_ot,
     FP8: tl.constexpr, SOFT_CVT: tl.constexpr, COMPUTE: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-    K_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_TILES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """out[t, n-tile] = sum over slots j in order of round(w[t, j] * (down_e . h[t*k + j])): the token's expert
     ids and weights loaded once as vectors and the slots unrolled without branches, so no slot's rows wait on
     the slot before (a loop that loaded each slot's id, then its rows, paid two memory round trips a slot);
     each slot's intermediate quantised here per 128 columns (as the twin does between the GEMMs); the weighted
     slots added in order in float32 (no per-slot output, no sum launch)."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     nt = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     js = tl.arange(0, SLOTS)
@@ -163,7 +169,7 @@ def fused_moe_gemv(ops: MoEOperands, w13: torch.Tensor, w2: torch.Tensor, topk_w
         w13.stride(0), w13.stride(1), *ops.s13_strides, act.stride(0),
         FP8=ops.fp8, SOFT_CVT=ops.soft_cvt, COMPUTE=ops.compute, K_TILES=triton.cdiv(h, cfg.block_k),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(res.device),
     )
     _down_gemv_kernel[(triton.cdiv(h, cfg.block_n_down), t)](
         act, w2, ops.s2, topk_ids, topk_weights, res, h, inter, num_experts,
@@ -171,5 +177,5 @@ def fused_moe_gemv(ops: MoEOperands, w13: torch.Tensor, w2: torch.Tensor, topk_w
         topk_weights.stride(0), topk_weights.stride(1), res.stride(0),
         FP8=ops.fp8, SOFT_CVT=ops.soft_cvt, COMPUTE=ops.compute, TOP_K=k, SLOTS=triton.next_power_of_2(k),
         K_TILES=triton.cdiv(inter, cfg.block_k_down), BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
-        num_warps=cfg.num_warps_down, num_stages=cfg.num_stages_down,
+        num_warps=cfg.num_warps_down, num_stages=cfg.num_stages_down, **pdl.launch_options(res.device),
     )

@@ -38,8 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fp8_rows
+from kernels import fp8_rows, pdl
 from kernels.topk import topk_positions, topk_positions_ref
+
 
 KV_FORMATS = ("fp8", "bf16", "float32")
 
@@ -200,8 +201,10 @@ def _indexer_score_kernel(
     stride_qn, stride_qh, stride_wn, stride_kp, stride_sp, stride_tb, stride_sn,
     num_heads, num_table_pages, width, scale, tiles,
     DI: tl.constexpr, TOKENS: tl.constexpr, ROW: tl.constexpr, KV_FMT: tl.constexpr, COMPUTE: tl.constexpr,
-    IEEE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr,
+    IEEE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     pid = tl.program_id(0)
     n = tl.program_id(1)
     heads = tl.arange(0, BLOCK_H)
@@ -328,6 +331,7 @@ def indexer_scores(
         ROW=values.shape[2],
         IEEE=q.dtype == torch.float32, BLOCK_H=max(16, triton.next_power_of_2(hi)),
         BLOCK_T=cfg.block_t, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_options(q.device)
     )
     return scores
 

@@ -19,7 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8_gemm import _interpreting, _num_sms
+
 
 _COMPUTE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -32,7 +34,9 @@ def mla_output_ref(o: torch.Tensor, w_v: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _mla_output_kernel(o_ptr, w_ptr, x_ptr, tokens, stride_ot, stride_oh, stride_wh, stride_wv, stride_xt,
                        DV: tl.constexpr, DL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-                       BLOCK_C: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr):
+                       BLOCK_C: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     h = tl.program_id(0).to(tl.int64)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -73,6 +77,6 @@ def mla_output(o: torch.Tensor, w_v: torch.Tensor) -> torch.Tensor:
     _mla_output_kernel[(heads, triton.cdiv(t, block_t), dv // block_v)](
         o, w_v, x, t, o.stride(0), o.stride(1), w_v.stride(0), w_v.stride(1), x.stride(0),
         DV=dv, DL=dl, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_C=min(64, dl & -dl), COMPUTE=_COMPUTE[o.dtype],
-        IEEE=o.dtype == torch.float32, num_warps=4,
+        IEEE=o.dtype == torch.float32, num_warps=4, **pdl.launch_options(o.device)
     )
     return x

@@ -18,8 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8_gemm import _interpreting, _num_sms
 from kernels.rope import rope_ref, rotated_pairs
+
 
 _COMPUTE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -37,7 +39,9 @@ def _mla_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, tokens, stride_qt
                       stride_ot, stride_oh, table_stride,
                       DN: tl.constexpr, DL: tl.constexpr, R: tl.constexpr, INTERLEAVED: tl.constexpr,
                       BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HALF_BLOCK: tl.constexpr,
-                      COMPUTE: tl.constexpr, IEEE: tl.constexpr):
+                      COMPUTE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     h = tl.program_id(0).to(tl.int64)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     n_tile = tl.program_id(2)
@@ -96,6 +100,6 @@ def mla_query(q: torch.Tensor, w_k: torch.Tensor, cos: torch.Tensor, sin: torch.
         q, w_k, cos, sin, out, t, q.stride(0), q.stride(1), w_k.stride(0), w_k.stride(1), out.stride(0),
         out.stride(1), cos.stride(0), DN=dn, DL=dl, R=rope_dim, INTERLEAVED=interleaved, BLOCK_T=block_t,
         BLOCK_N=block_n, BLOCK_D=min(64, dn & -dn), HALF_BLOCK=triton.next_power_of_2(rope_dim // 2), COMPUTE=_COMPUTE[q.dtype],
-        IEEE=q.dtype == torch.float32, num_warps=4,
+        IEEE=q.dtype == torch.float32, num_warps=4, **pdl.launch_options(q.device)
     )
     return out

@@ -25,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8_gemm import _interpreting
+
 
 ID_DTYPES = (torch.int32, torch.int64)
 ALIGN_CHUNK = 128  # slots per program of the multi-program alignment (prefill chunks)
@@ -98,7 +100,9 @@ def _count_chunk(ids_ptr, start, num_slots, num_experts, top_k, stride_it, strid
 
 @triton.jit(do_not_specialize=["num_slots"])
 def _align_count_kernel(ids_ptr, hist_ptr, num_slots, num_experts, top_k, stride_it, stride_ij,
-                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr):
+                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     c = tl.program_id(0)
     counts = _count_chunk(ids_ptr, c * CHUNK, num_slots, num_experts, top_k, stride_it, stride_ij, BLOCK_E, CHUNK, SUB)
     tl.store(hist_ptr + c * BLOCK_E + tl.arange(0, BLOCK_E), counts)
@@ -109,8 +113,10 @@ def _align_scatter_kernel(
     ids_ptr, hist_ptr, base_ptr, sorted_ptr, eob_ptr, npad_ptr,
     num_slots, num_experts, num_chunks, max_padded, max_blocks, top_k, stride_it, stride_ij,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-    HIST_ROWS: tl.constexpr, TAIL: tl.constexpr, SUB: tl.constexpr, PAD: tl.constexpr,
+    HIST_ROWS: tl.constexpr, TAIL: tl.constexpr, SUB: tl.constexpr, PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     c = tl.program_id(0)
     ex = tl.arange(0, BLOCK_E)
     idx = tl.arange(0, CHUNK)
@@ -172,9 +178,12 @@ def _align_small_kernel(
     ids_ptr, sorted_ptr, eob_ptr, npad_ptr,
     num_slots, num_experts, max_padded, max_blocks, top_k, stride_it, stride_ij,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr, TAIL: tl.constexpr, PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One program: every slot's place in sorted order. BLOCK_E > num_experts; the last lane counts the
     slots left out (ids outside [0, E) and the sub-blocks' tails), which are never stored."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     ex = tl.arange(0, BLOCK_E)
     sub = tl.arange(0, SUB)
     spare = BLOCK_E - 1
@@ -256,7 +265,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
         _align_small_kernel[(1,)](
             topk_ids, sorted_ids, eob, num_padded, n, num_experts, max_padded, max_blocks, k, si, sj,
             BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, SUB=16 if n <= 16 else 64,
-            TAIL=1024, PAD=16, num_warps=2,
+            TAIL=1024, PAD=16, num_warps=2, **pdl.launch_options(topk_ids.device)
         )
         return MoEAlignment(sorted_ids, eob, num_padded)
     block_e = max(32, triton.next_power_of_2(num_experts))
@@ -264,11 +273,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     base = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)  # per-chunk slot bases (scratch)
     hist = torch.empty((chunks, block_e), dtype=torch.int32, device=dev)
     _align_count_kernel[(chunks,)](topk_ids, hist, n, num_experts, k, si, sj,
-                                   BLOCK_E=block_e, CHUNK=ALIGN_CHUNK, SUB=32, num_warps=4)
+                                   BLOCK_E=block_e, CHUNK=ALIGN_CHUNK, SUB=32, num_warps=4,
+                                   **pdl.launch_options(topk_ids.device))
     _align_scatter_kernel[(chunks,)](
         topk_ids, hist, base, sorted_ids, eob, num_padded,
         n, num_experts, chunks, max_padded, max_blocks, k, si, sj,
         BLOCK_E=block_e, BLOCK_M=block_m, CHUNK=ALIGN_CHUNK, HIST_ROWS=16, TAIL=1024, SUB=32,
-        PAD=16, num_warps=8,
+        PAD=16, num_warps=8, **pdl.launch_options(topk_ids.device)
     )
     return MoEAlignment(sorted_ids, eob, num_padded)

@@ -57,6 +57,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
+
 PAGE_SIZE = 64
 _COPY_RUNS_PER_PROGRAM = 4
 _COPY_PROGRAMS_PER_SM = 8
@@ -164,8 +167,10 @@ def _plan_kernel(
     kv_ptr, num_copied_ptr, victim_ptr, copy_src_ptr, copy_dst_ptr,
     K, max_pages,
     PAGE: tl.constexpr, K_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, WAYS: tl.constexpr,
-    STAMP64: tl.constexpr, MAP16: tl.constexpr,
+    STAMP64: tl.constexpr, MAP16: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     step = tl.load(step_ptr)
     hot_row, held_row, stamp_row, map_row, R = _lease_rows(lease_ptr + b * LEASE_COLUMNS, STAMP64, MAP16)
@@ -259,8 +264,10 @@ def _plan_kernel(
 def _copy_kernel(
     num_copied_ptr, copy_src_ptr, copy_dst_ptr, host_ptr, gpu_ptr,
     B, K, page_words, group_words, run_words,
-    PAGE: tl.constexpr, B_BLOCK: tl.constexpr, RUNS: tl.constexpr, RUN_BLOCK: tl.constexpr,
+    PAGE: tl.constexpr, B_BLOCK: tl.constexpr, RUNS: tl.constexpr, RUN_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     total = 0
     for c0 in range(0, B, B_BLOCK):
         offs_b = c0 + tl.arange(0, B_BLOCK)
@@ -384,6 +391,7 @@ def _launch_plan(topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_ta
         k, gpu_slot_of_page.shape[1],
         PAGE=page_size, K_BLOCK=triton.next_power_of_2(k), R_BLOCK=_R_BLOCK, WAYS=_SEARCH_WAYS,
         STAMP64=stamp_dtype == torch.int64, MAP16=map_dtype == torch.int16, num_warps=num_warps,
+        **pdl.launch_options(topk_pos.device)
     )
     return ResolvePlan(kv_slots, num_copied, work[1], work[2])
 
@@ -427,6 +435,7 @@ def copy_misses(plan: ResolvePlan, group_offset: int, run_bytes: int, gpu_pool: 
         b, k, gpu_pool.shape[1] // word, group_offset // word, run_bytes // word,
         PAGE=page_size, B_BLOCK=_B_BLOCK, RUNS=_COPY_RUNS_PER_PROGRAM,
         RUN_BLOCK=triton.next_power_of_2(run_bytes // word), num_warps=num_warps,
+        **pdl.launch_options(plan.num_copied.device)
     )
 
 

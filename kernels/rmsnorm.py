@@ -24,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations, _quantize_groups, _soft_cvt
+
 
 _CHUNK = 1024  # columns written per program (GLM-5.3's 6144-wide norms: 6 programs a row)
 
@@ -32,9 +34,11 @@ _CHUNK = 1024  # columns written per program (GLM-5.3's 6144-wide norms: 6 progr
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, sum_ptr, w_ptr, out_ptr, q_ptr, s_ptr, x_row_stride, r_row_stride, out_row_stride,
                     s_row_stride, dim, eps, BLOCK: tl.constexpr, CHUNK: tl.constexpr, ADD: tl.constexpr,
-                    QUANT: tl.constexpr, SOFT_CVT: tl.constexpr):
+                    QUANT: tl.constexpr, SOFT_CVT: tl.constexpr, PDL: tl.constexpr):
     """Program (row, c): the row's mean square from the whole row, then columns [c * CHUNK, (c + 1) * CHUNK)
     normalised (and added, and quantised): a wide row's writes and quantisation spread over several SMs."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
@@ -88,7 +92,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             out if quant is None else quant.q, out if quant is None else quant.scales,
             rows.stride(0), 0 if residual is None else res_rows.stride(0), out.stride(0),
             0 if quant is None else quant.scales.stride(0), dim, eps, BLOCK=block, CHUNK=chunk,
-            ADD=residual is not None, QUANT=fp8, SOFT_CVT=_soft_cvt(), num_warps=max(1, min(16, block // 256)))
+            ADD=residual is not None, QUANT=fp8, SOFT_CVT=_soft_cvt(), num_warps=max(1, min(16, block // 256)),
+            **pdl.launch_options(rows.device))
     return out.view(x.shape), None if total is None else total.view(x.shape), quant
 
 

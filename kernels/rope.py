@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """The twin of the rotation alone: x [T, ..., R] entirely rotated in float32 and rounded once to x's dtype
@@ -49,7 +51,9 @@ def rotated_pairs(x_row, cos_row, sin_row, i, mask, R: tl.constexpr, INTERLEAVED
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, x_row_stride, x_head_stride, table_stride,
                  R: tl.constexpr, D: tl.constexpr, INTERLEAVED: tl.constexpr, HALF_BLOCK: tl.constexpr,
-                 REST_BLOCK: tl.constexpr):
+                 REST_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     pid = tl.program_id(0).to(tl.int64)
     t, h = pid // heads, pid % heads
     x_row = x_ptr + t * x_row_stride + h * x_head_stride
@@ -78,6 +82,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, i
         _rope_kernel[(t * heads,)](
             x3, cos, sin, out, heads, x3.stride(0), x3.stride(1), cos.stride(0),
             R=rope_dim, D=dim, INTERLEAVED=interleaved, HALF_BLOCK=triton.next_power_of_2(rope_dim // 2),
-            REST_BLOCK=triton.next_power_of_2(max(dim - rope_dim, 1)), num_warps=1,
+            REST_BLOCK=triton.next_power_of_2(max(dim - rope_dim, 1)), num_warps=1, **pdl.launch_options(x3.device)
         )
     return out.view(x.shape)

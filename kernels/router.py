@@ -29,13 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8_gemm import _num_sms
 
 
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden, k_per_split,
-                          stride_xt, stride_we, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                          stride_xt, stride_we, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr):
     """part[s, t, e] = sum over k in split s of x[t, k] * w[e, k], in float32 (tf32x3 dots)."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     pe, pt, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -56,9 +60,11 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidde
 
 @triton.jit
 def _router_logits_fma_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden, k_per_split, stride_xt,
-                              stride_we, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                              stride_we, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """part[s, t, e] as `_router_logits_kernel`, one token per program, IEEE float32 products summed in
-    registers (a token or two: a 16-row dot tile would be mostly padding)."""
+    registers (a token or two: a 16-row dot tile would be mostly padding). With PDL the weight tile is
+    requested before the wait for the kernel that writes x (kernels/pdl.py)."""
+    pdl.begin(PDL)
     pe, t, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
     offs_k = tl.arange(0, BLOCK_K)
@@ -67,17 +73,22 @@ def _router_logits_fma_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, h
     k_end = tl.minimum(split * k_per_split + k_per_split, hidden)
     for k0 in range(split * k_per_split, k_end, BLOCK_K):
         kmask = (k0 + offs_k) < k_end
-        x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + k0 + offs_k, mask=kmask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + (k0 + offs_k)[None, :],
                     mask=emask[:, None] & kmask[None, :], other=0.0)
+        pdl.wait(PDL)  # returns at once after the first tile
+        x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + k0 + offs_k, mask=kmask, other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], 1)
+    pdl.wait(PDL)  # an empty K range stores too
     tl.store(part_ptr + (split * num_tokens + t).to(tl.int64) * num_experts + offs_e, acc, mask=emask)
 
 
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, scale, num_tokens, num_experts,
                    SPLITS: tl.constexpr, GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
-                   SLOTS: tl.constexpr, NORMALISE: tl.constexpr, SHARED: tl.constexpr, SHARED_SLOT: tl.constexpr):
+                   SLOTS: tl.constexpr, NORMALISE: tl.constexpr, SHARED: tl.constexpr, SHARED_SLOT: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GROUPS)[:, None]
     e = g * PER_GROUP + tl.arange(0, PER_GROUP)[None, :]  # [GROUPS, PER_GROUP] expert ids
@@ -152,12 +163,13 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if t and fma:
         grid = (triton.cdiv(num_experts, _ROUTER_TILE), t, splits)
         _router_logits_fma_kernel[grid](x, weight, parts, t, num_experts, hidden, k_per_split, x.stride(0),
-                                        weight.stride(0), BLOCK_E=_ROUTER_TILE, BLOCK_K=_ROUTER_K, num_warps=4)
+                                        weight.stride(0), BLOCK_E=_ROUTER_TILE, BLOCK_K=_ROUTER_K, num_warps=4,
+                                        **pdl.launch_options(x.device))
     elif t:
         grid = (triton.cdiv(num_experts, _ROUTER_TILE), triton.cdiv(t, _ROUTER_TILE), splits)
         _router_logits_kernel[grid](x, weight, parts, t, num_experts, hidden, k_per_split, x.stride(0),
                                     weight.stride(0), BLOCK_T=_ROUTER_TILE, BLOCK_E=_ROUTER_TILE,
-                                    BLOCK_K=_ROUTER_K, num_warps=4)
+                                    BLOCK_K=_ROUTER_K, num_warps=4, **pdl.launch_options(x.device))
     return parts
 
 
@@ -184,6 +196,6 @@ def route(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: in
             parts, bias.contiguous(), weights, ids, scale, t, num_experts, SPLITS=splits,
             GROUPS=n_group, PER_GROUP=per_group, TOPK_GROUP=topk_group, TOPK=top_k,
             SLOTS=triton.next_power_of_2(width), NORMALISE=normalise, SHARED=shared,
-            SHARED_SLOT=max(shared_slot, 0), num_warps=SELECT_WARPS,
+            SHARED_SLOT=max(shared_slot, 0), num_warps=SELECT_WARPS, **pdl.launch_options(parts.device)
         )
     return weights, ids

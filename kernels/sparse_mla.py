@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fp8_rows
+from kernels import fp8_rows, pdl
+
 
 KV_FORMATS = ("fp8", "bf16", "float32")
 _LOG2E = 1.4426950408889634
@@ -163,8 +164,10 @@ def _sparse_mla_kernel(
     DL: tl.constexpr, DR: tl.constexpr, NB: tl.constexpr, PAGE: tl.constexpr,
     KV_FMT: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, PREFETCH: tl.constexpr,
-    DEQUANT_F32: tl.constexpr,
+    DEQUANT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     hb = tl.program_id(0)
     split = tl.program_id(1)
     n = tl.program_id(2)
@@ -227,8 +230,10 @@ def _sparse_mla_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
     part_ptr, lse_ptr, out_ptr, num_heads, num_splits, stride_on, stride_oh,
-    DL: tl.constexpr, BLOCK_S: tl.constexpr,
+    DL: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     h = tl.program_id(0)
     n = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
@@ -339,12 +344,12 @@ def sparse_mla(
         KV_FMT=_FMT_CODE[kv_format], COMPUTE=compute_dtype(q.dtype, kv_format), IEEE=q.dtype == torch.float32,
         BLOCK_H=block_h, BLOCK_K=block_k, SPLIT=splits > 1, PREFETCH=cfg.prefetch,
         DEQUANT_F32=cfg.dequant_f32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(q.device)
     )
     if splits > 1:
         _combine_kernel[(h, n)](
             part, lse, out, h, splits, out.stride(0), out.stride(1),
-            DL=latent_dim, BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+            DL=latent_dim, BLOCK_S=triton.next_power_of_2(splits), num_warps=4, **pdl.launch_options(part.device)
         )
     return out
 

@@ -39,7 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fp8_gemm import _interpreting
+
 
 MAX_KERNEL_WIDTH = 16384  # scores a row may have for the one-program kernel (held in registers)
 WIDE_CHUNK = 4096  # scores per program of the radix select of wider rows
@@ -66,7 +68,9 @@ def _keys(s):
 
 
 @triton.jit(do_not_specialize=["width", "k"])
-def _topk_kernel(scores_ptr, out_ptr, width, k, stride_s, stride_o, BLOCK: tl.constexpr):
+def _topk_kernel(scores_ptr, out_ptr, width, k, stride_s, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < width
@@ -99,10 +103,12 @@ def _chunk_keys(scores_ptr, r, c, width, stride_s, CHUNK: tl.constexpr):
 
 @triton.jit(do_not_specialize=["width", "k", "num_chunks"])
 def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr, width, k, num_chunks, stride_s,
-                       PASS: tl.constexpr, CHUNK: tl.constexpr, TILE_C: tl.constexpr):
+                       PASS: tl.constexpr, CHUNK: tl.constexpr, TILE_C: tl.constexpr, PDL: tl.constexpr):
     """Pass PASS (0-3) of the radix select: this chunk's histogram of the keys that match T's bytes fixed so
     far, by their next byte; the row's last chunk to arrive fixes that byte (state: T's bytes so far, and how
     many of the matching keys are still to take) and adds, per chunk, the keys above T this byte separates."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
     shift: tl.constexpr = 24 - 8 * PASS
     cols, inside, key = _chunk_keys(scores_ptr, r, c, width, stride_s, CHUNK)
@@ -161,9 +167,11 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr
 
 @triton.jit(do_not_specialize=["width", "num_chunks"])
 def _radix_place_kernel(scores_ptr, state_ptr, counts_ptr, out_ptr, width, num_chunks, stride_s, stride_o,
-                        CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+                        CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
     """Writes chunk c's chosen positions: its keys above T and the row's first ties (by position) that fall
     in it, after the chosen keys of the chunks before it, in ascending position order."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
     c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
     cols, inside, key = _chunk_keys(scores_ptr, r, c, width, stride_s, CHUNK)
     kth = tl.load(state_ptr + r * 2).to(tl.uint32)
@@ -206,9 +214,10 @@ def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int) -
     grid = (num_chunks, rows)
     for p in range(4):
         _radix_pass_kernel[grid](scores, hist, state, counts, arrivals, width, k, num_chunks, scores.stride(0),
-                                 PASS=p, CHUNK=chunk, TILE_C=16, num_warps=4)
+                                 PASS=p, CHUNK=chunk, TILE_C=16, num_warps=4, **pdl.launch_options(scores.device))
     _radix_place_kernel[grid](scores, state, counts, out, width, num_chunks, scores.stride(0), out.stride(0),
-                              CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4)
+                              CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4,
+                              **pdl.launch_options(scores.device))
 
 
 def _check(scores: torch.Tensor, k: int, kernel: bool) -> None:
@@ -247,5 +256,5 @@ def topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
         return out
     block = triton.next_power_of_2(width)
     _topk_kernel[(rows,)](scores, out, width, k, scores.stride(0), out.stride(0), BLOCK=block,
-                          num_warps=num_warps or max(4, min(32, block // 512)))
+                          num_warps=num_warps or max(4, min(32, block // 512)), **pdl.launch_options(scores.device))
     return out

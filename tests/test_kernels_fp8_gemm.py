@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
+from kernels import pdl  # noqa: E402
 from kernels.fp8_gemm import (  # noqa: E402
     FP8_BLOCK,
     FP8GemmConfig,
@@ -162,6 +163,18 @@ def test_linear_matches_twin(m, n, k, dtype):
     assert_matches_twin(out, x, weight, scales)
     if m > 2:
         assert (out[1] == 0).all()
+
+
+def test_linear_inside_pdl_launches_runs_plainly_under_the_interpreter():
+    """Decode graphs launch inside `pdl.launches(True)`; without a Hopper GPU (here: the interpreter, which
+    has no grid dependency control) the kernels launch plainly and compute the same."""
+    gen = torch.Generator().manual_seed(5)
+    weight, scales = make_weight(256, 512, gen)
+    x = make_x(1, 512, torch.float32, gen)
+    with pdl.launches(True):
+        assert pdl.launch_options(x.device) == {"PDL": False}
+        out = fp8_block_linear(x, weight, scales, out_dtype=torch.float32)
+    assert_matches_twin(out, x, weight, scales)
 
 
 CONFIGS = [

@@ -42,6 +42,7 @@ from engine.kv_layout import KVLayout
 from engine.model import GlmMoeDsaForCausalLM
 from engine.rank.step import StepInput
 from engine.sampler import SamplerMode, SamplingBatch
+from kernels import pdl
 from kernels.resolve import LEASE_WIDTH
 from residency.rank import DecodeLeases, NonResidentSpec, RankResidency
 
@@ -51,6 +52,9 @@ logger = logging.getLogger(__name__)
 _BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 # The narrowest page-table width in tokens; wider ones double up to max_model_len.
 _MIN_CONTEXT = 2048
+# Decode steps of up to this many requests launch their kernels with PDL (kernels/pdl.py: a gain at one
+# request, none at 8, a loss at 32 on an H200).
+PDL_MAX_ROWS = 8
 
 Sampler = Callable[[torch.Tensor, SamplingBatch], torch.Tensor]
 
@@ -199,8 +203,9 @@ class DecodeGraphs:
         return self.shapes.run(key, lambda: self._forward(batch, key))
 
     def _forward(self, batch: ForwardBatch, key: GraphKey) -> torch.Tensor:
-        hidden = self.model.hidden_states(batch, self.pool, self.layout, self.ops)
-        return self.sampler(self.model.logits(hidden), sampling_views(self.buffers, key.rows, key.sampler))
+        with pdl.launches(key.rows <= PDL_MAX_ROWS):
+            hidden = self.model.hidden_states(batch, self.pool, self.layout, self.ops)
+            return self.sampler(self.model.logits(hidden), sampling_views(self.buffers, key.rows, key.sampler))
 
     def close(self) -> None:
         """Drops the graphs (a captured collective left alive hangs the process group's teardown)."""
