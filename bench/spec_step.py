@@ -16,6 +16,10 @@ between depths is noise. The host's share is measured instead, as the wall time 
 its GPU time: a verify-and-draft step is synchronous (the host reads the accepted tokens before it
 schedules the next), so that share adds to the 78-layer step in full; a one-token step (k = 0) is
 scheduled asynchronously, so its host work overlaps the GPU and the step takes the longer of the two.
+A deep enough run (`--depths 8 76`: one rank's 76 layers fit an H200) also times the step itself:
+`timed78` is the 76-layer step's wall time with the two missing layers, the all-reduces and the gather added,
+gaps between kernels and the host's share included. Each engine is built in a fresh process; `--pdl`
+as in bench/step.py.
 TPOT divides the 78-layer step by the tokens a step yields: at the measured acceptance, and at
 `--acceptance` tokens a step (GLM-5's published 3.5 for 4 drafts; capped at k + 1), with and without the
 host's share. The last column divides the GPU-time TPOT at the stated acceptance by k = 0's, measured in
@@ -44,12 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.step import (  # noqa: E402
     TP, VOCAB, build_contexts, device_ms_per_step, profile_steps, rank_config, release, wall_ms_per_step,
 )
-from bench.timing import hbm_copy_gbs  # noqa: E402
+from bench.timing import hbm_copy_gbs, in_fresh_process  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
+from kernels import pdl  # noqa: E402
 
 logger = logging.getLogger("bench.spec_step")
 
@@ -95,9 +100,10 @@ def measure(engine: LLMEngine, prompts: list[list[int]], tokens: int, replay: li
     return Measured(step_ms, device, 1.0 + accepted / drafts if drafts else 1.0), [outputs[r] for r in ids]
 
 
-def run(args: argparse.Namespace, k: int, mode: str, layers: int, pages: int
+def run(args: argparse.Namespace, k: int, mode: str, layers: int, pages: int, with_pdl: bool
         ) -> dict[tuple[str, int, int], Measured]:
     """(source, context, B) -> measured, for one engine of `layers` layers drafting `k` tokens a step."""
+    pdl.configure(with_pdl)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps({**rank_config(layers, True), "num_nextn_predict_layers": 1}))
         engine = _engine(tmp, k, mode, pages, args)
@@ -114,7 +120,8 @@ def run(args: argparse.Namespace, k: int, mode: str, layers: int, pages: int
             if args.profile is not None and layers == args.depths[1]:
                 args.profile.mkdir(parents=True, exist_ok=True)
                 for batch in args.profile_batches:
-                    profile_steps(engine, prompts[:batch], args.profile / f"k{k}-{mode}-ctx{ctx}-B{batch}.txt")
+                    profile_steps(engine, prompts[:batch],
+                                  args.profile / f"k{k}-{mode}-pdl{int(with_pdl)}-ctx{ctx}-B{batch}.txt")
         release(engine)
         return results
 
@@ -128,22 +135,28 @@ def derive(args: argparse.Namespace, k: int, batch: int, shallow_m: Measured, de
     device78 = fixed + gather + 78 * (layer + 2 * args.allreduce_us / 1e3)
     host = max(0.0, deep_m.step_ms - deep_m.device_ms)
     wall78 = device78 + host if k else max(device78, deep_m.step_ms)
+    # a deep enough run times the step itself: its wall time, with the layers it lacks and the all-reduces added
+    timed78 = deep_m.step_ms + (78 - deep) * layer + gather + 78 * 2 * args.allreduce_us / 1e3
     stated = min(args.acceptance, k + 1.0)
     return dict(wall_shallow_ms=shallow_m.step_ms, wall_deep_ms=deep_m.step_ms, device_shallow_ms=shallow_m.device_ms,
                 device_deep_ms=deep_m.device_ms, device_layer_ms=layer, device_fixed_ms=fixed, host_ms=host,
-                device_step78_ms=device78, wall_step78_ms=wall78, tpot78_ms=device78 / deep_m.tokens_per_step,
-                tpot78_stated_ms=device78 / stated, wall_tpot78_stated_ms=wall78 / stated)
+                device_step78_ms=device78, wall_step78_ms=wall78, timed_step78_ms=timed78,
+                tpot78_ms=device78 / deep_m.tokens_per_step, tpot78_stated_ms=device78 / stated,
+                wall_tpot78_stated_ms=wall78 / stated, timed_tpot78_stated_ms=timed78 / stated)
 
 
 def print_table(rows: list[dict]) -> None:
-    base = {(r["ctx"], r["B"]): r["tpot78_stated_ms"] for r in rows if r["k"] == 0 and r["mode"] == "graph"}
-    print(f"\n{'k':>2} {'mode':6} {'source':7} {'ctx':>6} {'B':>4} {'tok/st':>6} {'dev/l':>7} {'fixed':>6} "
-          f"{'host':>6} {'step78':>7} {'TPOT':>7} {'TPOT@a':>7} {'+host@a':>7} {'x k0':>5}")
+    base = {(r["pdl"], r["ctx"], r["B"]): r["tpot78_stated_ms"]
+            for r in rows if r["k"] == 0 and r["mode"] == "graph"}
+    print(f"\n{'k':>2} {'mode':6} {'pdl':3} {'source':7} {'ctx':>6} {'B':>4} {'tok/st':>6} {'dev/l':>7} {'fixed':>6} "
+          f"{'host':>6} {'step78':>7} {'timed78':>7} {'TPOT':>7} {'TPOT@a':>7} {'+host@a':>7} {'timed@a':>7} {'x k0':>5}")
     for r in rows:
-        print(f"{r['k']:>2} {r['mode']:6} {r['source']:7} {r['ctx']:>6} {r['B']:>4} {r['tokens_per_step']:6.2f} "
+        print(f"{r['k']:>2} {r['mode']:6} {r['pdl']:3} {r['source']:7} {r['ctx']:>6} {r['B']:>4} "
+              f"{r['tokens_per_step']:6.2f} "
               f"{r['device_layer_ms']:7.3f} {r['device_fixed_ms']:6.2f} {r['host_ms']:6.2f} "
-              f"{r['device_step78_ms']:7.2f} {r['tpot78_ms']:7.2f} {r['tpot78_stated_ms']:7.2f} "
-              f"{r['wall_tpot78_stated_ms']:7.2f} {r['tpot78_stated_ms'] / base[(r['ctx'], r['B'])]:5.2f}")
+              f"{r['device_step78_ms']:7.2f} {r['timed_step78_ms']:7.2f} {r['tpot78_ms']:7.2f} "
+              f"{r['tpot78_stated_ms']:7.2f} {r['wall_tpot78_stated_ms']:7.2f} {r['timed_tpot78_stated_ms']:7.2f} "
+              f"{r['tpot78_stated_ms'] / base[(r['pdl'], r['ctx'], r['B'])]:5.2f}")
 
 
 def main() -> None:
@@ -161,6 +174,8 @@ def main() -> None:
     parser.add_argument("--acceptance", type=float, default=3.5,
                         help="tokens a step yields at the stated acceptance (capped at k + 1)")
     parser.add_argument("--modes", nargs="+", default=["graph"], choices=["graph", "eager"])
+    parser.add_argument("--pdl", nargs="+", default=["on"], choices=["on", "off"],
+                        help="kernels launched with programmatic dependent launch (kernels/pdl.py), or plainly")
     parser.add_argument("--out", type=Path, default=None, help="write the rows as JSON lines here")
     parser.add_argument("--profile", type=Path, default=None, help="folder for a kernel table per profiled batch size")
     parser.add_argument("--profile-batches", type=int, nargs="+", default=[1])
@@ -171,11 +186,15 @@ def main() -> None:
     layout = KVLayout.for_model(ModelConfig.from_dict(rank_config(deep, True)), "fp8", draft_layers=1)
     pages = int(args.pool_gib * 2**30 // layout.page_bytes)
     rows = []
-    runs = [(k, mode) for mode in dict.fromkeys(["graph", *args.modes]) for k in sorted({0, *args.drafts})]
-    for k, mode in runs:
-        t_shallow, t_deep = run(args, k, mode, shallow, pages), run(args, k, mode, deep, pages)
+    runs = [(k, mode, launch) for launch in args.pdl for mode in dict.fromkeys(["graph", *args.modes])
+            for k in sorted({0, *args.drafts})]
+    for k, mode, launch in runs:
+        with_pdl = launch == "on"
+        t_shallow, t_deep = (in_fresh_process(run, args, k, mode, shallow, pages, with_pdl),
+                             in_fresh_process(run, args, k, mode, deep, pages, with_pdl))
         for (source, ctx, batch), deep_m in t_deep.items():
-            row = dict(k=k, mode=mode, source=source, ctx=ctx, B=batch, tokens_per_step=deep_m.tokens_per_step,
+            row = dict(k=k, mode=mode, pdl=launch, source=source, ctx=ctx, B=batch,
+                       tokens_per_step=deep_m.tokens_per_step,
                        **derive(args, k, batch, t_shallow[(source, ctx, batch)], deep_m))
             rows.append(row)
             if args.out:

@@ -6,8 +6,12 @@ all-reduce's latency plus B x 154880 x 4 bytes at `--gather-gbs`; a token is sam
 19,360 logits), 256 routed experts top-8 plus the
 shared one, q_lora, the latent path and the indexer replicated, FP8 KV rows,
 one full indexer layer per four (GLM-5.3: 21 of 78), every layer MoE. Random weights, bf16 or FP8.
-For each weight format, two depths (4 and 8 layers) separate the per-layer time from the per-step
-fixed cost (scheduling, sampling, output): per layer = (t8 - t4) / 4, fixed = t4 - 4 x per layer.
+For each weight format, two depths (`--depths`, default 4 and 8 layers; 8 and 76 on an H200, where both
+are GPU-bound) separate the per-layer time from the per-step fixed cost (scheduling, sampling, output):
+per layer = (t_deep - t_shallow) / (deep - shallow). Each engine is built in a fresh process. `--pdl on off`
+measures the kernels launched with programmatic dependent launch (kernels/pdl.py, decode graphs of up to 8
+requests) and plainly, side by side; with PDL a kernel's GPU time includes its wait for the one before, so
+only the wall-time columns compare.
 
 Contexts are built without computing them B times: one prompt is prefilled, its cached pages are
 copied (device to device) under every other request's prefix hashes, so each of the B requests owns
@@ -49,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.timing import event_median_ms, hbm_copy_gbs  # noqa: E402
+from bench.timing import event_median_ms, hbm_copy_gbs, in_fresh_process  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
 from engine.layers import MoE  # noqa: E402
@@ -60,6 +64,7 @@ from engine.model_config import ModelConfig  # noqa: E402
 from engine.prefix_transfer import PrefixSnapshot, install_prefix, snapshot_prefix  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from engine.tiny import FP8_QUANTIZATION, TINY_CONFIG  # noqa: E402
+from kernels import pdl  # noqa: E402
 
 logger = logging.getLogger("bench.step")
 TP = 8
@@ -237,7 +242,9 @@ def layer_floor(cfg: ModelConfig, fmt: WeightFormat, batch: int, ctx: int, exper
     return bytes_ms, flops_ms
 
 
-def run(args: argparse.Namespace, fp8: bool, mode: str, layers: int, pages: int) -> dict[tuple[int, int], Measured]:
+def run(args: argparse.Namespace, fp8: bool, mode: str, layers: int, pages: int, with_pdl: bool
+        ) -> dict[tuple[int, int], Measured]:
+    pdl.configure(with_pdl)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(rank_config(layers, fp8)))
         engine = LLMEngine(EngineConfig(
@@ -273,7 +280,10 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["fp8", "bf16"])
     parser.add_argument("--modes", nargs="+", default=["graph", "graph-sync", "eager"],
                         choices=["graph", "graph-sync", "eager"])
-    parser.add_argument("--depths", type=int, nargs=2, default=[4, 8])
+    parser.add_argument("--depths", type=int, nargs=2, default=[4, 8],
+                        help="the two depths whose difference is the per-layer time (one rank's 76 fit an H200)")
+    parser.add_argument("--pdl", nargs="+", default=["on"], choices=["on", "off"],
+                        help="kernels launched with programmatic dependent launch (kernels/pdl.py), or plainly")
     parser.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens of the prefill")
     parser.add_argument("--pool-gib", type=float, default=60.0, help="KV pool of the engine")
     parser.add_argument("--allreduce-us", type=float, default=10.0,
@@ -290,12 +300,14 @@ def main() -> None:
     gbs, tflops = hbm_copy_gbs(), dense_tflops()
     print(f"HBM copy {gbs:.0f} GB/s, bf16 dense matmul {tflops:.0f} TFLOP/s", flush=True)
     rows = []
-    for name, mode in [(name, mode) for name in args.formats for mode in args.modes]:
+    for name, mode, launch in [(n, m, p) for n in args.formats for m in args.modes for p in args.pdl]:
         fp8 = name == "fp8"
         shallow, deep = args.depths
         layout = KVLayout.for_model(ModelConfig.from_dict(rank_config(deep, fp8)), "fp8")
         pages = int(args.pool_gib * 2**30 // layout.page_bytes)
-        t_shallow, t_deep = run(args, fp8, mode, shallow, pages), run(args, fp8, mode, deep, pages)
+        with_pdl = launch == "on"
+        t_shallow, t_deep = (in_fresh_process(run, args, fp8, mode, shallow, pages, with_pdl),
+                             in_fresh_process(run, args, fp8, mode, deep, pages, with_pdl))
         cfg = ModelConfig.from_dict(rank_config(deep, fp8))
         fmt = WeightFormat("fp8" if fp8 else "dense")
         for (ctx, batch), deep_m in t_deep.items():
@@ -307,7 +319,7 @@ def main() -> None:
             floor = max(bytes_ms, flops_ms)
             gather = args.allreduce_us / 1e3 + batch * VOCAB * 4 * (TP - 1) / TP / (args.gather_gbs * 1e6)
             full_step = fixed + gather + 78 * (per_layer + 2 * args.allreduce_us / 1e3)
-            rows.append(dict(weights=name, mode=mode, ctx=ctx, B=batch, t_shallow_ms=shallow_m.step_ms,
+            rows.append(dict(weights=name, mode=mode, pdl=launch, ctx=ctx, B=batch, t_shallow_ms=shallow_m.step_ms,
                              t_deep_ms=deep_m.step_ms, per_layer_ms=per_layer, fixed_ms=fixed,
                              device_layer_ms=device_layer, x_floor_device=device_layer / floor,
                              experts=deep_m.experts_per_layer, floor_bytes_ms=bytes_ms, floor_flops_ms=flops_ms,
@@ -316,10 +328,10 @@ def main() -> None:
             if args.out:
                 with args.out.open("a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
-    print(f"\n{'w':4} {'mode':10} {'ctx':>6} {'B':>4} {'t4':>7} {'t8':>7} {'layer':>7} {'fixed':>7} {'dev/l':>7} {'exp':>5} "
+    print(f"\n{'w':4} {'mode':10} {'pdl':3} {'ctx':>6} {'B':>4} {'t4':>7} {'t8':>7} {'layer':>7} {'fixed':>7} {'dev/l':>7} {'exp':>5} "
           f"{'floorB':>7} {'floorF':>7} {'x-fl':>6} {'x-dev':>6} {'step78':>8} {'fl78':>7} {'x78':>6}")
     for r in rows:
-        print(f"{r['weights']:4} {r['mode']:10} {r['ctx']:>6} {r['B']:>4} {r['t_shallow_ms']:7.2f} {r['t_deep_ms']:7.2f} "
+        print(f"{r['weights']:4} {r['mode']:10} {r['pdl']:3} {r['ctx']:>6} {r['B']:>4} {r['t_shallow_ms']:7.2f} {r['t_deep_ms']:7.2f} "
               f"{r['per_layer_ms']:7.3f} {r['fixed_ms']:7.2f} {r['device_layer_ms']:7.3f} {r['experts']:5.0f} "
               f"{r['floor_bytes_ms']:7.3f} {r['floor_flops_ms']:7.3f} {r['x_floor']:6.1f} {r['x_floor_device']:6.1f} "
               f"{r['step78_ms']:8.1f} {r['floor78_ms']:7.2f} {r['x_floor78']:6.1f}")
