@@ -260,7 +260,6 @@ def _fp8_gemm_kernel(
 ):
     BLOCK_K: tl.constexpr = 128
     pdl.begin(PDL)
-    pdl.wait(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -285,6 +284,9 @@ def _fp8_gemm_kernel(
     num_kb = tl.cdiv(K, BLOCK_K)
     kb0 = split * kb_per_split
     kb1 = tl.minimum(kb0 + kb_per_split, num_kb)
+    for kb in range(kb0, kb1):  # with PDL: this program's weights requested while the kernel before ends
+        pdl.prefetch_l2(w_ptr + offs_n.to(tl.int64) * stride_wn + kb * BLOCK_K, nmask, w_ptr, PDL)
+    pdl.wait(PDL)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -342,8 +344,8 @@ def _fp8_gemv_kernel(
     product with the token's dequantised activation accumulated in float32 registers, the block scales
     folded into the activation (BLOCK_N divides 128, so one weight scale row per program). No split of K,
     so no partials and no last-arrival sum: the launch ends when its loads do. The K loop is unrolled, so
-    every tile's loads are issued before the first product waits on one. With PDL the first tile's weights
-    are requested before the wait for the kernel before (kernels/pdl.py)."""
+    every tile's loads are issued before the first product waits on one. With PDL the rows' weights are
+    requested from L2 and the first tile's loaded before the wait for the kernel before (kernels/pdl.py)."""
     pdl.begin(PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
@@ -351,6 +353,11 @@ def _fp8_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     nmask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    lines = tl.arange(0, BLOCK_K // 128) * 128
+    for kt in tl.static_range(1, K_TILES):  # the first tile is loaded below, before the wait
+        cols = kt * BLOCK_K + lines
+        pdl.prefetch_l2(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :],
+                        nmask[:, None] & (cols < K)[None, :], w_ptr, PDL)
     ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for kt in tl.static_range(K_TILES):

@@ -9,7 +9,9 @@ waits: weights are never written during a step, so reading them early is safe.
 
 The contract every kernel launched with `launch_options` keeps: `begin(PDL)` first, then only loads of
 data no kernel of the step writes (weights, their scales, rotary tables), then `wait(PDL)` before any other
-load and before any store. `gdc_wait` returns once the previous kernel has completed and its writes are
+load and before any store. Weight-streaming kernels also ask L2 for the rest of their weights before the
+wait (`prefetch_l2`: a prefetch per 128-byte line, no registers held), so the bytes arrive while the
+kernel before finishes and the kernel's own loads after the wait hit L2. `gdc_wait` returns once the previous kernel has completed and its writes are
 visible, so a chain of such kernels keeps stream order; a kernel launched without the attribute (PyTorch's,
 cuBLAS's, NCCL's) waits for the one before it to complete, as always. CUDA graphs capture the launches as
 programmatic edges.
@@ -87,3 +89,12 @@ def wait(PDL: tl.constexpr):
     """Block until the previous kernel has completed and its writes are visible."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask, base, PDL: tl.constexpr):
+    """With PDL, asks L2 for the line of each pointer where `mask` (one pointer per 128-byte line is
+    enough; masked-out lanes ask for `base`'s). Without PDL nothing is issued."""
+    if PDL:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [tl.where(mask, ptrs, base)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
