@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_gemm import Fp8Activations, _quantize_groups, _soft_cvt, _take_quantized
 from kernels import pdl
+from kernels.fp8_gemm import Fp8Activations, _quantize_groups, _soft_cvt, _take_quantized
 from kernels.fp8_pack import _cast_out
 
 if TYPE_CHECKING:
