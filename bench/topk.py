@@ -5,7 +5,7 @@ sums: exact zeros and repeats, -inf past each row's length), at the widths the
 engine scores (an 8K context's 12K bucket, 16K, 128K and 1M) and B = 1, 8, 64
 rows. For each case: the median time per call in a CUDA graph of
 `topk_positions` at a few warp counts (rows wider than `MAX_KERNEL_WIDTH` take
-the chunked radix select, at its own launch shape), the
+the chunked radix select: its default chunk, `WIDE_CHUNK`, beside other chunk sizes), the
 stable sort it replaced (`scores.sort(descending=True, stable=True)`, the engine's
 former selection) and `torch.topk` (ties broken arbitrarily: not usable as is,
 shown for scale), each checked or timed side by side in one run; and the
@@ -26,12 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.timing import OUT_DIR, bench_graph, hbm_copy_gbs, run_log  # noqa: E402
-from kernels.topk import MAX_KERNEL_WIDTH, topk_positions, topk_positions_ref  # noqa: E402
+from kernels.topk import (  # noqa: E402
+    MAX_KERNEL_WIDTH, WIDE_CHUNK, radix_topk_positions, topk_positions, topk_positions_ref,
+)
 
 K = 2048
 CASES = ((1, 8192), (1, 12288), (8, 12288), (64, 12288), (1, 16384), (64, 16384), (1, 131072), (8, 131072),
          (64, 131072), (1, 1 << 20))
 WARPS = (None, 8, 16, 32)  # None: the launcher's default
+CHUNKS = (1024, 2048, 8192)  # the radix select's chunks besides WIDE_CHUNK (scores a program)
 
 log = run_log("topk")
 
@@ -66,6 +69,14 @@ def main() -> int:
             times[name(warps)] = bench_graph([lambda s=s, w=warps: topk_positions(s, K, out, num_warps=w)
                                               for s in scores]) * 1e3
             log(f"B={b} W={width} {name(warps)}: {times[name(warps)]:.1f} us")
+        for chunk in CHUNKS if width > MAX_KERNEL_WIDTH else ():
+            label = f"chunk {chunk}"
+            radix_topk_positions(scores[0], K, out, chunk=chunk)
+            if not torch.equal(out, topk_positions_ref(scores[0], K)):
+                raise AssertionError(f"{label} differs from the stable sort at B={b} W={width}")
+            times[label] = bench_graph([lambda s=s, c=chunk: radix_topk_positions(s, K, out, chunk=c)
+                                        for s in scores]) * 1e3
+            log(f"B={b} W={width} {label}: {times[label]:.1f} us (default chunk {WIDE_CHUNK})")
         sort_us = bench_graph([lambda s=s: s.sort(dim=-1, descending=True, stable=True).indices[:, :K]
                                for s in scores]) * 1e3
         topk_us = bench_graph([lambda s=s: torch.topk(s, K, dim=-1) for s in scores]) * 1e3
@@ -74,7 +85,7 @@ def main() -> int:
         rows_out.append([b, width, f"{times['default']:.1f}", best, f"{times[best]:.1f}", f"{sort_us:.1f}",
                          f"{topk_us:.1f}", f"{sort_us / times[best]:.1f}x", f"{floor_us:.2f}",
                          f"{times[best] / floor_us:.0f}x"])
-    header = ["B", "width", "default us", "best warps", "best us", "stable sort us", "torch.topk us",
+    header = ["B", "width", "default us", "best warps / chunk", "best us", "stable sort us", "torch.topk us",
               "sort / best", "floor us", "x floor"]
     table = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     table += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows_out]
