@@ -191,14 +191,20 @@ def measure(engine: LLMEngine, prompts: list[list[int]], warmup: int = 4, steps:
     return Measured(step_ms, device, statistics.mean(counter.counts))
 
 
-def profile_steps(engine: LLMEngine, prompts: list[list[int]], path: Path, steps: int = 3) -> None:
+def profile_steps(engine: LLMEngine, prompts: list[list[int]], path: Path, steps: int = 3,
+                  replay: list[list[int]] | None = None) -> None:
     """Writes every GPU kernel's launches and time per decode step, then the host's busiest ops, then the
     ops with the most GPU time grouped by the Python lines that issued them, over `steps` decode steps
     (torch.profiler) to `path`: the kernel list is what a layer's device time is made of, and in eager mode
-    the stacks name where each element-wise copy or gather comes from (a replayed graph has no stacks)."""
-    params = SamplingParams(max_tokens=6 + steps + 4, ignore_eos=True)
+    the stacks name where each element-wise copy or gather comes from (a replayed graph has no stacks). With
+    `replay` (a speculative engine), each request drafts its earlier output (`LLMEngine.replay_drafts`)."""
+    # a speculative step may yield k + 1 tokens: enough for every profiled step to decode
+    params = SamplingParams(max_tokens=(6 + steps + 4) * (1 + engine.num_speculative_tokens), ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"profile-{i}", prompt, params)
+        rid = f"profile-{time.monotonic_ns()}-{i}"
+        engine.add_request(rid, prompt, params)
+        if replay is not None:
+            engine.replay_drafts(rid, replay[i])
     for _ in range(6):
         engine.step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
