@@ -451,9 +451,11 @@ _arrivals: dict[torch.device, torch.Tensor] = {}
 
 def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """The device's split-K arrival counters, one per output tile, zero between launches (the last range of
-    a tile re-arms its counter). Allocated once per device, outside any CUDA-graph capture: the first
-    split launch on a device is an eager one (a graph is captured after its shape ran eagerly). Launches
-    on one stream only: two split GEMMs running at once would share counters."""
+    a tile re-arms its counter), shared by every kernel that adds its programs' partials this way (this
+    GEMM, the fused MoE, the router's logits). Allocated once per device, outside any CUDA-graph capture:
+    the first split launch on a device is an eager one (a graph is captured after its shape ran eagerly).
+    Launches on one stream only: two such kernels running at once would share counters (under PDL a kernel
+    waits for the one before before its first atomic)."""
     if tiles > _MAX_SPLIT_TILES:
         raise ValueError(f"a split-K launch of {tiles} tiles exceeds the {_MAX_SPLIT_TILES} arrival counters")
     counters = _arrivals.get(device)

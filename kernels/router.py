@@ -14,7 +14,7 @@ the chosen experts exactly (in order of decreasing score; the reference's order 
 The logits themselves (`router_logits`) are the float32 product of the activations and the float32 router
 weight the reference computes, for decode batches as partial sums over K ranges spread across programs (a
 few rows against 256 x 6144 weights: a handful of programs would each stream megabytes), added in a fixed
-order by the selection launch. The dots run as three TF32 products (`tf32x3`: the weight split into a TF32
+order by the selection launch, or, for a token or two, by the last range of each expert tile to arrive. The dots run as three TF32 products (`tf32x3`: the weight split into a TF32
 head and tail; bf16 activations are exact in TF32), within float32 rounding of the IEEE product (2-3e-6
 absolute at GLM-5.3's shapes against cuBLAS, as IEEE dots in another order) on tensor cores: 7 us at 1-8
 tokens and 13 us at 32 on an H200, where cuBLAS takes 6-19 us and IEEE dots in Triton 17-32 us. From
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.fp8_gemm import _num_sms
+from kernels.fp8_gemm import _arrival_counters, _num_sms
 
 
 @triton.jit
@@ -59,11 +59,15 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidde
 
 
 @triton.jit
-def _router_logits_fma_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden, k_per_split, stride_xt,
-                              stride_we, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """part[s, t, e] as `_router_logits_kernel`, one token per program, IEEE float32 products summed in
-    registers (a token or two: a 16-row dot tile would be mostly padding). With PDL the weight tile is
-    requested before the wait for the kernel that writes x (kernels/pdl.py)."""
+def _router_logits_fma_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, arrivals_ptr, num_tokens, num_experts, hidden,
+                              k_per_split, stride_xt, stride_we, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                              BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+    """logits[t, e-tile] for a token or two: each program (expert tile, token, K range) sums its range's IEEE
+    float32 products in registers (a 16-row dot tile would be mostly padding) and stores them as part[s, t, e];
+    the tile's last range to arrive adds the ranges' partials (one fixed-shape sum, so every rank adds alike),
+    writes the logits and re-arms its counter. The selection then reads one float an expert, not one a
+    range (48 at GLM-5.3). With PDL the weight tile is requested before the wait for the kernel that writes x
+    (kernels/pdl.py)."""
     pdl.begin(PDL)
     pe, t, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -80,6 +84,17 @@ def _router_logits_fma_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, h
         acc += tl.sum(w * x[None, :], 1)
     pdl.wait(PDL)  # an empty K range stores too
     tl.store(part_ptr + (split * num_tokens + t).to(tl.int64) * num_experts + offs_e, acc, mask=emask)
+    tl.debug_barrier()  # the whole partial is stored before the arrival is counted
+    counter = arrivals_ptr + t * tl.num_programs(0) + pe
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()
+    if arrived == tl.num_programs(2) - 1:
+        ranges = tl.arange(0, BLOCK_S)
+        tile = tl.load(part_ptr + (ranges[:, None] * num_tokens + t).to(tl.int64) * num_experts + offs_e[None, :],
+                       mask=(ranges < tl.num_programs(2))[:, None] & emask[None, :], other=0.0,
+                       cache_modifier=".cg")
+        tl.store(logits_ptr + t.to(tl.int64) * num_experts + offs_e, tl.sum(tile, 0), mask=emask)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -144,8 +159,8 @@ _FMA_MAX_SPLITS = 64  # K ranges of those (GLM-5.3: 48 of 128 columns, 768 progr
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [T, H] (any float dtype) and the float32 router weight [E, H] -> partial logits [S, T, E] float32
-    whose sum over S is x.float() @ weight.T; S is chosen so about two programs run per SM (a token or two:
-    one program per 128-column tile)."""
+    whose sum over S is x.float() @ weight.T; S is chosen so about two programs run per SM. A token or two
+    (one program per 128-column tile) come back summed: S = 1."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     if weight.shape[1] != hidden or weight.dtype != torch.float32 or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -161,11 +176,14 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     splits = triton.cdiv(hidden, k_per_split)
     parts = torch.empty(splits, t, num_experts, dtype=torch.float32, device=x.device)
     if t and fma:
-        grid = (triton.cdiv(num_experts, _ROUTER_TILE), t, splits)
-        _router_logits_fma_kernel[grid](x, weight, parts, t, num_experts, hidden, k_per_split, x.stride(0),
-                                        weight.stride(0), BLOCK_E=_ROUTER_TILE, BLOCK_K=_ROUTER_K, num_warps=4,
-                                        **pdl.launch_options(x.device))
-    elif t:
+        tiles = triton.cdiv(num_experts, _ROUTER_TILE)
+        logits = torch.empty(1, t, num_experts, dtype=torch.float32, device=x.device)
+        _router_logits_fma_kernel[(tiles, t, splits)](
+            x, weight, parts, logits, _arrival_counters(x.device, t * tiles), t, num_experts, hidden, k_per_split,
+            x.stride(0), weight.stride(0), BLOCK_E=_ROUTER_TILE, BLOCK_K=_ROUTER_K,
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=4, **pdl.launch_options(x.device))
+        return logits
+    if t:
         grid = (triton.cdiv(num_experts, _ROUTER_TILE), triton.cdiv(t, _ROUTER_TILE), splits)
         _router_logits_kernel[grid](x, weight, parts, t, num_experts, hidden, k_per_split, x.stride(0),
                                     weight.stride(0), BLOCK_T=_ROUTER_TILE, BLOCK_E=_ROUTER_TILE,

@@ -46,8 +46,9 @@ GEMV = ("fp8_gemm:_fp8_gemv_kernel", {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w
 GEMM = ("fp8_gemm:_fp8_gemm_kernel", {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
                            "c_ptr": "*fp32", "out_ptr": "*bf16", "arrivals_ptr": "*i32"},
         {"BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 1, "SWAP_AB": True, "EVEN_K": True, "SPLIT": True})
-ROUTER = ("router:_router_logits_fma_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32"},
-          {"BLOCK_E": 16, "BLOCK_K": 128})
+ROUTER = ("router:_router_logits_fma_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32",
+                                               "logits_ptr": "*fp32", "arrivals_ptr": "*i32"},
+          {"BLOCK_E": 16, "BLOCK_K": 128, "BLOCK_S": 64})
 NORM = ("rmsnorm:_rmsnorm_kernel", {"x_ptr": "*bf16", "r_ptr": "*bf16", "sum_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
                           "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "eps": "fp32"},
         {"BLOCK": 8192, "CHUNK": 1024, "ADD": True, "QUANT": True, "SOFT_CVT": False})
