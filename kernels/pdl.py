@@ -10,11 +10,11 @@ waits: weights are never written during a step, so reading them early is safe.
 The contract every kernel launched with `launch_options` keeps: `begin(PDL)` first, then only loads of
 data no kernel of the step writes (weights, their scales, rotary tables), then `wait(PDL)` before any other
 load and before any store. Weight-streaming kernels also ask L2 for the rest of their weights before the
-wait (`prefetch_l2`: a prefetch per 128-byte line, no registers held), so the bytes arrive while the
-kernel before finishes and the kernel's own loads after the wait hit L2. `gdc_wait` returns once the previous kernel has completed and its writes are
-visible, so a chain of such kernels keeps stream order; a kernel launched without the attribute (PyTorch's,
-cuBLAS's, NCCL's) waits for the one before it to complete, as always. CUDA graphs capture the launches as
-programmatic edges.
+wait (`prefetch_l2`: a prefetch per 128-byte line, no registers held), so the bytes arrive while the kernel
+before finishes and the kernel's own loads after the wait hit L2. `gdc_wait` returns once the previous
+kernel has completed and its writes are visible, so a chain of such kernels keeps stream order; a kernel
+launched without the attribute (PyTorch's, cuBLAS's, NCCL's) waits for the one before it to complete, as
+always. CUDA graphs capture the launches as programmatic edges.
 
 Kernels launch with PDL only inside `launches(True)` and where the hardware has it (compute capability 9.0
 and up). The decode graphs of small batches take it (engine/rank/decode_graphs.py): on an H200 a 76-layer
