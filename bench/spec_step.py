@@ -43,12 +43,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.step import (  # noqa: E402
-    TP, VOCAB, build_contexts, device_ms_per_step, profile_steps, rank_config, release, wall_ms_per_step,
+    TP, VOCAB, build_contexts, device_ms_per_step, profile_steps, rank_config, wall_ms_per_step,
 )
 from bench.timing import hbm_copy_gbs, in_fresh_process  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -127,7 +125,7 @@ def run(args: argparse.Namespace, k: int, mode: str, layers: int, pages: int, wi
                     for source, replay in (("mtp", None), ("replay", replays.get(batch)))[: 2 if k else 1]:
                         name = f"k{k}-{source}-{mode}-pdl{int(with_pdl)}-ctx{ctx}-B{batch}.txt"
                         profile_steps(engine, prompts[:batch], args.profile / name, replay=replay)
-        release(engine)
+        engine.shutdown()  # its process ends with the run: the next engine is built in a fresh one
         return results
 
 

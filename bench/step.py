@@ -39,7 +39,6 @@ same run is printed beside it. Usage: python bench/step.py [--contexts 8192 6553
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import statistics
@@ -267,16 +266,8 @@ def run(args: argparse.Namespace, fp8: bool, mode: str, layers: int, pages: int,
                 results[(ctx, batch)] = measure(engine, prompts[:batch])
                 logger.info("%s %s %d layers ctx %d B %d: %.2f ms", "fp8" if fp8 else "bf16", mode, layers, ctx,
                             batch, results[(ctx, batch)].step_ms)
-        release(engine)
+        engine.shutdown()  # its process ends with the run: the next engine is built in a fresh one
         return results
-
-
-def release(engine: LLMEngine) -> None:
-    """Shuts `engine` down and hands its GPU memory back before the next engine is built."""
-    engine.shutdown()
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ bench/out).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -27,14 +28,14 @@ import torch  # noqa: E402
 
 from bench.timing import OUT_DIR, bench_graph, hbm_copy_gbs, run_log  # noqa: E402
 from kernels.topk import (  # noqa: E402
-    MAX_KERNEL_WIDTH, WIDE_CHUNK, radix_topk_positions, topk_positions, topk_positions_ref,
+    MAX_KERNEL_WIDTH, radix_topk_positions, topk_positions, topk_positions_ref,
 )
 
 K = 2048
 CASES = ((1, 8192), (1, 12288), (8, 12288), (64, 12288), (1, 16384), (64, 16384), (1, 131072), (8, 131072),
          (64, 131072), (1, 1 << 20))
-WARPS = (None, 8, 16, 32)  # None: the launcher's default
-CHUNKS = (1024, 2048, 8192)  # the radix select's chunks besides WIDE_CHUNK (scores a program)
+WARPS = (8, 16, 32)  # the one-program kernel's warps besides the launcher's default
+CHUNKS = (1024, 2048, 8192)  # the radix select's chunks (scores a program) besides WIDE_CHUNK
 
 log = run_log("topk")
 
@@ -47,8 +48,15 @@ def indexer_like(rows: int, width: int, seed: int) -> torch.Tensor:
     return s
 
 
-def name(warps: int | None) -> str:
-    return "default" if warps is None else f"{warps} warps"
+def candidates(width: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], object]]:
+    """The forms timed at `width`, by label (scores, out): the launcher's default, then the one-program kernel
+    at other warp counts, or the radix select at other chunk sizes than `WIDE_CHUNK`."""
+    forms = {"default": lambda s, out: topk_positions(s, K, out)}
+    if width <= MAX_KERNEL_WIDTH:
+        forms |= {f"{w} warps": lambda s, out, w=w: topk_positions(s, K, out, num_warps=w) for w in WARPS}
+    else:
+        forms |= {f"chunk {c}": lambda s, out, c=c: radix_topk_positions(s, K, out, chunk=c) for c in CHUNKS}
+    return forms
 
 
 def main() -> int:
@@ -62,21 +70,12 @@ def main() -> int:
         scores = [indexer_like(b, width, seed) for seed in range(4)]
         out = torch.empty(b, K, dtype=torch.int64, device="cuda")
         times = {}
-        for warps in WARPS if width <= MAX_KERNEL_WIDTH else (None,):
-            topk_positions(scores[0], K, out, num_warps=warps)
-            if not torch.equal(out, topk_positions_ref(scores[0], K)):
-                raise AssertionError(f"{name(warps)} differs from the stable sort at B={b} W={width}")
-            times[name(warps)] = bench_graph([lambda s=s, w=warps: topk_positions(s, K, out, num_warps=w)
-                                              for s in scores]) * 1e3
-            log(f"B={b} W={width} {name(warps)}: {times[name(warps)]:.1f} us")
-        for chunk in CHUNKS if width > MAX_KERNEL_WIDTH else ():
-            label = f"chunk {chunk}"
-            radix_topk_positions(scores[0], K, out, chunk=chunk)
+        for label, select in candidates(width).items():
+            select(scores[0], out)
             if not torch.equal(out, topk_positions_ref(scores[0], K)):
                 raise AssertionError(f"{label} differs from the stable sort at B={b} W={width}")
-            times[label] = bench_graph([lambda s=s, c=chunk: radix_topk_positions(s, K, out, chunk=c)
-                                        for s in scores]) * 1e3
-            log(f"B={b} W={width} {label}: {times[label]:.1f} us (default chunk {WIDE_CHUNK})")
+            times[label] = bench_graph([lambda s=s, f=select: f(s, out) for s in scores]) * 1e3
+            log(f"B={b} W={width} {label}: {times[label]:.1f} us")
         sort_us = bench_graph([lambda s=s: s.sort(dim=-1, descending=True, stable=True).indices[:, :K]
                                for s in scores]) * 1e3
         topk_us = bench_graph([lambda s=s: torch.topk(s, K, dim=-1) for s in scores]) * 1e3
