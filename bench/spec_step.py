@@ -12,10 +12,10 @@ measured (1 + accepted / verifying requests, from the engine's `spec_decode_*` c
 The 78-layer step is built from GPU time (torch.profiler), which separates cleanly by depth: fixed +
 78 x per layer + two all-reduces a layer (`--allreduce-us`) + the logits' gather. Wall time does not: a
 graph-mode step at 4 or 8 layers is as long as the host's preparation of it, so the wall difference
-between depths is noise. The host's share is measured instead, as the wall time the 8-layer step adds to
-its GPU time: a verify-and-draft step is synchronous (the host reads the accepted tokens before it
-schedules the next), so that share adds to the 78-layer step in full; a one-token step (k = 0) is
-scheduled asynchronously, so its host work overlaps the GPU and the step takes the longer of the two.
+between depths is noise. The host's share is measured instead, as the wall time the deeper step adds to
+its GPU time. Steps are scheduled asynchronously, a verify-and-draft step too (launched before the step it
+continues is read, engine/llm_engine.py), so the host's work overlaps the GPU and the 78-layer step takes
+the longer of the two; with asynchronous scheduling off a verifying step waits for the host in full.
 A deep enough run (`--depths 8 76`: one rank's 76 layers fit an H200) also times the step itself:
 `timed78` is the 76-layer step's wall time with the two missing layers, the all-reduces and the gather added,
 gaps between kernels and the host's share included. Each engine is built in a fresh process; `--pdl`
@@ -25,8 +25,7 @@ TPOT divides the 78-layer step by the tokens a step yields: at the measured acce
 host's share. The last column divides the GPU-time TPOT at the stated acceptance by k = 0's, measured in
 the same run. `--modes`: `graph` (steps replayed as CUDA graphs, engine/rank/spec_graphs.py) and `eager`.
 `--profile DIR` writes, for each profiled batch size of the deeper model and each draft source, the kernels'
-GPU time and the host's busiest operations (with replayed drafts a step's host share was 1.4 ms longer than
-with the MTP layer's at 76 layers, and 0.2 ms at 8: the tables are where to look).
+GPU time and the host's busiest operations.
 
     python bench/spec_step.py [--drafts 1 2 3 4] [--batches 1 8 32 64] [--contexts 8100] [--modes graph eager]
                               [--depths 4 8] [--profile DIR]
@@ -137,7 +136,7 @@ def derive(args: argparse.Namespace, k: int, batch: int, shallow_m: Measured, de
     gather = args.allreduce_us / 1e3 + batch * (k + 1) * VOCAB * 4 * (TP - 1) / TP / (args.gather_gbs * 1e6)
     device78 = fixed + gather + 78 * (layer + 2 * args.allreduce_us / 1e3)
     host = max(0.0, deep_m.step_ms - deep_m.device_ms)
-    wall78 = device78 + host if k else max(device78, deep_m.step_ms)
+    wall78 = max(device78, deep_m.step_ms)
     # a deep enough run times the step itself: its wall time, with the layers it lacks and the all-reduces added
     timed78 = deep_m.step_ms + (78 - deep) * layer + gather + 78 * 2 * args.allreduce_us / 1e3
     stated = min(args.acceptance, k + 1.0)

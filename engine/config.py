@@ -54,8 +54,9 @@ class EngineConfig:
     # one discarded row in N+1. Off: every step is read back before the next is scheduled.
     async_scheduling: bool = True
     # Draft tokens a step from the model's MTP layer (engine/mtp.py), verified by the next step's target
-    # forward (engine/rank/speculative.py); 0 = off. Steps then run one after another (async scheduling is
-    # off while drafting: the next step's rows depend on how many drafts this one accepted).
+    # forward (engine/rank/speculative.py); 0 = off. With async scheduling a verifying step is launched before
+    # the one it continues is read, as if that one accepted every draft, and the ranks move it back by the
+    # drafts rejected (engine/llm_engine.py); when the next step's shape is not certain, the previous is read first.
     num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:

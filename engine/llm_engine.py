@@ -3,8 +3,10 @@
 One `step()` = schedule and launch a step (forward and sampling run on the
 ranks), then read the previous step's tokens, apply stop conditions and free
 what finished (`async_scheduling`; off, the step's own tokens are read before
-`step()` returns). Everything is single-threaded here; `AsyncEngine` drives it from a
-background thread. This process is the replica's driver: it owns scheduling,
+`step()` returns). With speculative decoding a step is launched before the one it
+continues is read, as if that one accepted every draft; the ranks move it back by
+the drafts rejected (`_speculative_step`). Everything is single-threaded here;
+`AsyncEngine` drives it from a background thread. This process is the replica's driver: it owns scheduling,
 page accounting and residency decisions, and runs the model through an
 executor (engine/executors/) on one rank in this process or on
 `tensor_parallel_size` ranks in worker processes. A failed rank makes `step()`
@@ -35,9 +37,9 @@ from engine.model_runner import ModelRunner
 from engine.mtp import draft_layers
 from engine.rank.decode_graphs import GraphConfig
 from engine.rank.worker import WorkerSpec
-from engine.request import FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
+from engine.request import PENDING, FinishReason, InvalidRequestError, Request, RequestStatus, SamplingParams
 from engine.sampler import SamplingBatch
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.spec_decode_stats import SpecDecodeStats
 from engine.tokenizer import Tokenizer
 from engine.tp.sharding import check_shardable
@@ -75,6 +77,22 @@ class _TextState:
     emitted: int = 0
     stop_hit: bool = False
     seed: int = 0  # the request's sampling seed (its own, or the next of the engine's sequence)
+
+
+@dataclass
+class _SpecLaunch:
+    """A launched verify-and-draft step whose tokens are not read yet. Its requests' state counts it as if
+    the target accepted every draft (`num_pending_tokens`, computed rows, k pending drafts); reading it takes
+    the rejected rows back."""
+
+    pending: PendingOutput
+    out: SchedulerOutput
+    completing: list[ScheduledRequest]  # the sampling requests, in the step's order
+    num_drafts: list[int]  # drafts each verifies (taken at launch: `ScheduledRequest` reads the live state)
+
+    @property
+    def requests(self) -> list[Request]:
+        return [s.request for s in self.completing]
 
 
 class LLMEngine:
@@ -132,6 +150,8 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         self._replayed_drafts: dict[str, list[int]] = {}  # request id -> the output its drafts are read from
         self._in_flight: tuple[PendingOutput, list[Request]] | None = None  # launched, outputs not yet read
+        self._spec_in_flight: _SpecLaunch | None = None  # the same for a verify-and-draft step
+        self.num_continued_steps = 0  # verify-and-draft steps launched before the step they continue was read
 
     def _plan_gpu_pages(self) -> int:
         """Pool size: on a GPU what `gpu_memory_utilization` leaves after the loaded weights and the
@@ -220,7 +240,8 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Requests wait, run, or have a token in a launched step not yet read."""
         in_flight = self._in_flight is not None and not all(r.is_finished for r in self._in_flight[1])
-        return self.scheduler.has_unfinished() or in_flight
+        spec = self._spec_in_flight is not None and not all(r.is_finished for r in self._spec_in_flight.requests)
+        return self.scheduler.has_unfinished() or in_flight or spec
 
     # --- stepping -------------------------------------------------------------------
 
@@ -263,11 +284,60 @@ class LLMEngine:
 
     def _speculative_step(self) -> list[RequestOutput]:
         """One step that verifies every completing request's drafts and proposes its next ones
-        (engine/rank/speculative.py). Steps run one after another: which rows the next step computes
-        depends on how many drafts this one accepted."""
+        (engine/rank/speculative.py), and the outputs of the step before it (`async_scheduling`; off, of this
+        one). Which rows a step computes depends on how many drafts the one before accepted, so a step is
+        launched before the previous one is read only when it continues it (`_continues`): the same requests,
+        every one decoding with all its drafts and room for another step. The host then schedules it as if
+        every draft of the previous step were accepted, and the ranks shift its rows back by the drafts
+        rejected there, from that step's results on the device (`StepInput.continues`). Otherwise the
+        previous step is read first."""
+        previous = self._spec_in_flight
+        outputs: list[RequestOutput] = []
+        if previous is not None and not self._continues(previous):
+            outputs, previous = self._read_speculative(previous, None), None
+        self._spec_in_flight = None
         out = self.scheduler.schedule()
-        if not out.scheduled:
-            return []
+        if previous is not None and not all(s.completes and s.num_new_tokens == self.num_speculative_tokens + 1
+                                            for s in out.scheduled):
+            raise RuntimeError("a continued speculative step was scheduled with another shape")
+        launched = self._launch_speculative(out, previous is not None) if out.scheduled else None
+        if previous is not None:
+            outputs += self._read_speculative(previous, launched)
+        if launched is not None and not self.config.async_scheduling:
+            return outputs + self._read_speculative(launched, None)
+        self._spec_in_flight = launched
+        return outputs
+
+    def _continues(self, launch: _SpecLaunch) -> bool:
+        """Whether the next step may be launched before `launch` is read: asynchronous scheduling on, nothing
+        waiting or swapped, `launch` verified k drafts for every running request (the graph path's
+        shape, all pages on the GPU, no prefill row), each has room for k + 1 more tokens after `launch`'s (and
+        replayed drafts enough output to replay), and free pages cover everyone's next rows (so scheduling
+        cannot preempt or demote)."""
+        k = self.num_speculative_tokens
+        sched = self.scheduler
+        if not self.config.async_scheduling or self.config.enforce_eager or sched.waiting or sched.swapped:
+            return False
+        if len(launch.out.scheduled) != len(launch.completing) or sched.running != launch.requests:
+            return False
+        if len(sched.running) * (k + 1) > sched.config.max_num_batched_tokens:
+            return False
+        needed = 0
+        for s, drafts in zip(launch.completing, launch.num_drafts):
+            req = s.request
+            if s.num_new_tokens != k + 1 or drafts != k or req.hot is not None:
+                return False
+            replayed = self._replayed_drafts.get(req.request_id)
+            if replayed is not None and len(replayed) < len(req.output_token_ids) + 1 + 2 * k:
+                return False
+            if (req.params.max_tokens - req.num_output_positions < k + 1
+                    or self.max_model_len - req.num_tokens < k + 1):
+                return False
+            needed += self.kv.pages_needed(req, req.num_computed_tokens + k + 1)
+        return needed <= self.kv.num_available
+
+    def _launch_speculative(self, out: SchedulerOutput, continues: bool) -> _SpecLaunch:
+        """Launches `out` and counts it in its requests' state as if every draft were accepted."""
         completing = [s for s in out.scheduled if s.completes]
         params, seeds, positions = [], [], []
         for s in completing:  # row j of a request samples its output position as decoding one token a step would
@@ -277,21 +347,55 @@ class LLMEngine:
             seeds += [self._text[req.request_id].seed] * rows
             positions += range(req.num_output_positions, req.num_output_positions + rows)
         sampling = SamplingBatch.build(params, seeds, positions, self.model_config.vocab_size)
-        result = self.runner.collect(self.runner.launch(out.scheduled, sampling))
+        replayed = self._replay_windows(completing) if continues else None
+        num_drafts = [s.num_drafts for s in completing]
+        launch = _SpecLaunch(self.runner.launch(out.scheduled, sampling, continues, replayed), out, completing,
+                             num_drafts)
         self.num_steps += 1
+        self.num_continued_steps += continues
+        for s, drafts in zip(completing, num_drafts):
+            s.request.num_pending_tokens += drafts + 1
+            s.request.draft_token_ids = [PENDING] * self.num_speculative_tokens
+        self.scheduler.advance(out)
+        return launch
+
+    def _replay_windows(self, completing: list[ScheduledRequest]) -> torch.Tensor | None:
+        """For a continued step, each request's replayed output from the one after its first unread token on,
+        2k tokens (the rank drafts from the accepted count on), -1 without replayed drafts; None if none has."""
         k = self.num_speculative_tokens
-        sampled, accepted_counts = result[: len(params)], result[len(params) : len(params) + len(completing)]
-        proposals = result[len(params) + len(completing) :]
+        if not any(s.request.request_id in self._replayed_drafts for s in completing):
+            return None
+        rows = []
+        for s in completing:
+            replayed, first = self._replayed_drafts.get(s.request.request_id), len(s.request.output_token_ids) + 1
+            rows.append([-1] * 2 * k if replayed is None else replayed[first : first + 2 * k])
+        return torch.tensor(rows, dtype=torch.long)
+
+    def _read_speculative(self, launch: _SpecLaunch, later: _SpecLaunch | None) -> list[RequestOutput]:
+        """Reads `launch`'s tokens: each request's accepted drafts and the token after them become outputs
+        (stop conditions, text), the rejected rows are taken back, and its next drafts are the proposals,
+        unless `later` (launched since, continuing it) already verifies them."""
+        result = self.runner.collect(launch.pending)
+        k = self.num_speculative_tokens
+        n, r = sum(launch.num_drafts) + len(launch.num_drafts), len(launch.completing)
+        sampled, accepted_counts, proposals = result[:n], result[n : n + r], result[n + r :]
+        continued = {id(s.request): s.num_new_tokens for s in later.completing} if later is not None else {}
         outputs: list[RequestOutput] = []
         rejected: dict[str, int] = {}
+        later_rows: dict[str, int] = {}
         finishing: list[tuple[Request, FinishReason]] = []  # ended by a token of this step: finished below
         start = 0
-        for i, s in enumerate(completing):
-            req, drafts, accepted = s.request, s.num_drafts, accepted_counts[i]
+        for i, (s, drafts) in enumerate(zip(launch.completing, launch.num_drafts)):
+            req, accepted = s.request, accepted_counts[i]
             tokens = sampled[start : start + accepted + 1]
             start += drafts + 1
+            if req.is_finished:  # ended (abort, failure) while the step ran: its tokens are discarded
+                continue
+            req.num_pending_tokens -= drafts + 1
             self.spec_stats.record(drafts, accepted)
             rejected[req.request_id] = drafts - accepted
+            if id(req) in continued:
+                later_rows[req.request_id] = continued[id(req)]
             ended, done = len(finishing), False
             for token in tokens:
                 outputs.append(self._complete(req, token, finishing))
@@ -301,11 +405,11 @@ class LLMEngine:
             if done:
                 req.draft_token_ids = []
                 self._replayed_drafts.pop(req.request_id, None)
-            else:
+            elif id(req) not in continued:
                 req.draft_token_ids = self._next_drafts(req, proposals[i * k : (i + 1) * k])
         # The accepted rows count and their pages register (the accepted drafts are outputs now), also for the
         # requests this step ends; then those end.
-        self.scheduler.after_step(out, rejected)
+        self.scheduler.settle(launch.out, rejected, later_rows)
         for req, reason in finishing:
             self.scheduler.finish(req, reason)
         self._record_states()

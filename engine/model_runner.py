@@ -37,7 +37,8 @@ class ModelRunner:
         """The page pool tensor; only a single-rank replica has it in this process."""
         return self.executor.kv_pool
 
-    def prepare(self, scheduled: list[ScheduledRequest], sampling: SamplingBatch) -> StepInput:
+    def prepare(self, scheduled: list[ScheduledRequest], sampling: SamplingBatch, continues: bool = False,
+                replayed: torch.Tensor | None = None) -> StepInput:
         self.num_steps += 1
         ids: list[int] = []
         prev_rows: list[int] = []
@@ -92,14 +93,18 @@ class ModelRunner:
             sampling=sampling,
             prev_rows=torch.tensor(prev_rows, dtype=torch.long) if PENDING in ids else None,
             draft=draft,
+            continues=continues,
+            replayed=replayed,
         )
 
-    def launch(self, scheduled: list[ScheduledRequest], sampling: SamplingBatch) -> PendingOutput:
+    def launch(self, scheduled: list[ScheduledRequest], sampling: SamplingBatch, continues: bool = False,
+               replayed: torch.Tensor | None = None) -> PendingOutput:
         """Queues one step on every rank (`collect` reads it); `sampling` has one row for each request whose
         chunk completes, in order. Inputs sampled by the step launched before and not yet read are taken
-        from the ranks' devices."""
+        from the ranks' devices; `continues`: a speculative step continuing the one launched before it, built
+        as if that one accepted every draft (`StepInput.continues`, `replayed`)."""
         try:
-            pending = self.executor.launch_model(self.prepare(scheduled, sampling))
+            pending = self.executor.launch_model(self.prepare(scheduled, sampling, continues, replayed))
         except BaseException:
             self.page_tables.reset()  # the ranks may hold some of this step's rows, or none
             raise

@@ -277,21 +277,36 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def after_step(self, out: SchedulerOutput, rejected: dict[str, int] | None = None) -> None:
-        """Advances computed counts, registers newly full pages, mirrors them when residency asks.
-        `rejected`: request id -> draft rows the target rejected (speculative decoding); those rows are not
-        computed and the pages past the kept ones are released."""
-        rejected = rejected or {}
+    def after_step(self, out: SchedulerOutput) -> None:
+        """Advances computed counts, registers newly full pages, mirrors them when residency asks."""
+        self.advance(out)
+        self.settle(out, {})
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Counts every scheduled row as computed once the step is launched. A speculative step's rows are
+        counted as if the target accepted every draft; `settle` takes the rejected ones back."""
         for s in out.scheduled:
-            if s.request.is_finished:
+            if not s.request.is_finished:
+                s.request.num_computed_tokens += s.num_new_tokens
+
+    def settle(self, out: SchedulerOutput, rejected: dict[str, int], later_rows: dict[str, int] | None = None
+               ) -> None:
+        """Once a launched step's tokens are read: takes back the draft rows the target rejected (request id
+        -> rows; the pages past the tokens held are released), registers newly full pages and mirrors the
+        kept rows when residency asks. `later_rows`: rows a later step, already launched, counted for a
+        request (speculative steps continued before this one was read)."""
+        later_rows = later_rows or {}
+        kept: list[tuple[Request, int, int]] = []
+        for s in out.scheduled:
+            req = s.request
+            if req.is_finished:
                 continue
-            dropped = rejected.get(s.request.request_id, 0)
-            s.num_new_tokens -= dropped
-            s.request.num_computed_tokens += s.num_new_tokens
+            dropped = rejected.get(req.request_id, 0)
+            req.num_computed_tokens -= dropped
             if dropped:
-                self.kv.trim(s.request, s.request.num_tokens)
-            self.kv.cache_full_pages(s.request)
+                self.kv.trim(req, req.num_tokens)
+            self.kv.cache_full_pages(req)
+            end = req.num_computed_tokens - later_rows.get(req.request_id, 0)
+            kept.append((req, end - (s.num_new_tokens - dropped), end))
         if out.mirror_rows:
-            self.kv.residency.mirroring.mirror_step([(s.request, s.request.num_computed_tokens - s.num_new_tokens,
-                                              s.request.num_computed_tokens)
-                                             for s in out.scheduled if not s.request.is_finished])
+            self.kv.residency.mirroring.mirror_step(kept)

@@ -51,6 +51,9 @@ def _corrupted(tokens: list[int], every: int) -> list[int]:
 def test_mtp_drafts_keep_the_greedy_tokens(tiny_dir: Path, reference: list[list[int]], k: int) -> None:
     engine = _engine(tiny_dir, k)
     assert run_checked(engine, PROMPTS, GREEDY) == reference
+    # Most steps are launched before the one they continue is read (asynchronous scheduling): the ranks take
+    # their inputs from that step's results and move their rows back by its rejected drafts.
+    assert engine.num_continued_steps > engine.num_steps // 2
     stats = engine.stats()
     drafts, draft_tokens = stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"]
     assert 0 < drafts <= draft_tokens <= k * drafts
@@ -70,12 +73,33 @@ def test_replayed_drafts_accept_and_roll_back_exactly(tiny_dir: Path, reference:
     accepted, drafted = stats["spec_decode_num_accepted_tokens"], stats["spec_decode_num_draft_tokens"]
     assert 0 < accepted < drafted
     assert stats["spec_decode_mean_acceptance_length"] > 1 + k / 2  # about 4 of every 5 drafts are right
-    if policy == "hybrid":
+    if policy == "off":  # continued steps with accepted and rejected drafts (see the test above)
+        assert engine.num_continued_steps > engine.num_steps // 2
+    elif policy == "hybrid":
         assert stats["pages_demoted"] > 0 and stats["hot_misses"] > 0
     elif policy == "offload":
         assert stats["swaps"] > 0
     elif policy == "preempt":
         assert stats["preemptions"] > 0
+
+
+def test_steps_read_before_the_next_is_launched_give_the_same_tokens(tiny_dir: Path,
+                                                                    reference: list[list[int]]) -> None:
+    """Asynchronous scheduling off: every verifying step is read before the next is built (no step continues
+    one not yet read), with the same tokens as the continued steps of the tests above."""
+    engine = make_engine(tiny_dir, num_speculative_tokens=3, enable_prefix_cache=False, async_scheduling=False)
+    assert run_checked(engine, PROMPTS, GREEDY, [_corrupted(t, 5) for t in reference]) == reference
+    assert engine.num_continued_steps == 0
+
+
+def test_continued_steps_cross_a_page_table_width(tiny_dir: Path) -> None:
+    """A continued step whose furthest rows need a wider page table than the step before it (the graphs'
+    first width, 2,048 tokens, crossed while every draft is accepted) gives the reference tokens."""
+    prompt, params = [_prompt(2036, 7)], [greedy(24)]
+    want = run_checked(_engine(tiny_dir, 0), prompt, params)
+    engine = _engine(tiny_dir, 3)
+    assert run_checked(engine, prompt, params, want) == want
+    assert engine.num_continued_steps > 0
 
 
 def test_every_draft_of_the_run_itself_is_accepted(tiny_dir: Path, reference: list[list[int]]) -> None:

@@ -12,6 +12,12 @@ step's order. When some request has host-only pages the residency resolve runs i
 request's k + 1 rows resolved as the union of their selections (`RankResidency.resolve_decode`). On the
 first step of a shape it runs through the buffers eagerly and is captured after; off the GPU the same
 buffers run without capture. Steps with prefill rows run eagerly.
+
+A step that continues the one before it (`StepInput.continues`: launched before that one was read, built
+as if it accepted every draft) is staged the same way and then corrected on the device from the last step's
+results, before its replay: each request's inputs become the token sampled after its accepted drafts and
+the drafts proposed there, and its positions, write slots, context length and draw keys move back by the
+drafts rejected (`_continue`). So the host never waits for a step's accepted counts while the device idles.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ class SpecGraphs:
             "mla_write_slots": (rows, torch.long), "indexer_write_slots": (rows, torch.long),
             "context_lens": (requests, torch.long), "num_drafts": (requests, torch.long),
             "mla_page_table": (requests * pages, torch.long), "indexer_page_table": (requests * idx_pages, torch.long),
-            "real_rows": (rows, torch.long), **sampling_buffers(rows),
+            "real_rows": (rows, torch.long), "replayed": (requests * 2 * self.k, torch.long), **sampling_buffers(rows),
             **lease_buffers(requests, pages, len(layout.group_sizes)),
         }, pool.device)
         # Each request's first row, and a scratch-page slot each for the drafting passes' throwaway rows.
@@ -73,6 +79,7 @@ class SpecGraphs:
         self._scratch_slots = scratch_slots(scratch_page, layout.page_size, torch.arange(requests, device=pool.device))
         self._batches: dict[SpecGraphKey, ForwardBatch] = {}
         self.shapes = CapturedShapes(pool.device, "speculative")
+        self._last: tuple[SpecGraphKey, torch.Tensor] | None = None  # the last step's shape and raw results
 
     @property
     def steps_run(self) -> Counter[SpecGraphKey]:
@@ -94,7 +101,10 @@ class SpecGraphs:
         GPU). Returns what `speculative_step` returns for the step itself: its rows' tokens in its own order,
         then each request's accepted count and drafts; the host has not waited for them."""
         batch, real_rows = self._fill(key, step, residency)
+        if step.continues:
+            self._continue(key, step.num_requests, batch)
         out = self.shapes.run(key, lambda: self._forward(key, batch))
+        self._last = key, out
         rows, n = key.requests * (self.k + 1), step.num_requests
         return torch.cat([out[:rows][real_rows], out[rows : rows + n],
                           out[rows + key.requests : rows + key.requests + n * self.k]])
@@ -109,13 +119,48 @@ class SpecGraphs:
 
     def close(self) -> None:
         self.shapes.clear()
+        self._last = None
+
+    def _continue(self, key: SpecGraphKey, n: int, batch: ForwardBatch) -> None:
+        """Turns the staged `StepInput.continues` step into the real one, on the device: each of the `n`
+        requests' k + 1 rows take the token sampled after its accepted drafts in the last step and the k drafts
+        proposed there (or replayed from its accepted count on), and its positions, context length and draw
+        keys move back by the drafts the last step rejected (it verified k for each), its write slots with them.
+        The last step's results are read before this step's replay overwrites them (stream order). Its page
+        tables may be wider than the last step's (the furthest rows crossed a width); the request count is the
+        same."""
+        if self._last is None or self._last[0].requests != key.requests:
+            raise RuntimeError("a continued speculative step must have as many requests as the step before it")
+        last, k, per, requests = self._last[1], self.k, self.k + 1, key.requests
+        rows, view = requests * per, self.buffers.view
+        accepted = last[rows : rows + n]
+        rejected = (k - accepted)[:, None]
+        ids = view("input_ids", rows).view(requests, per)[:n]
+        ids[:, :1] = last[:rows].view(requests, per)[:n].gather(1, accepted[:, None])
+        drafts = last[rows + requests : rows + requests + requests * k].view(requests, k)[:n]
+        replayed = view("replayed", requests, 2 * k)[:n]  # -1 rows: the MTP layer's drafts
+        picked = replayed.gather(1, accepted[:, None] + torch.arange(k, device=replayed.device))
+        ids[:, 1:] = torch.where(replayed[:, :1] >= 0, picked, drafts)
+        positions = view("positions", rows).view(requests, per)[:n]
+        positions -= rejected
+        view("keys", rows).view(requests, per)[:n] -= rejected
+        context_lens = view("context_lens", requests)
+        context_lens[:n] -= rejected[:, 0]
+        pages, idx_pages = table_pages(self.layout, key.context)
+        for slots, table, width, per_page in (
+                ("mla_write_slots", "mla_page_table", pages, self.layout.page_size),
+                ("indexer_write_slots", "indexer_page_table", idx_pages, self.layout.indexer_tokens_per_page)):
+            entries = view(table, requests, width)[:n].gather(1, positions // per_page)
+            view(slots, rows).view(requests, per)[:n] = entries * per_page + positions % per_page
+        if context_lens.device.type == "cpu":  # the reference attention reads the host-side lengths
+            batch.context_lens_host[:n] = context_lens[:n].tolist()
 
     def _fill(self, key: SpecGraphKey, step: StepInput, residency: RankResidency | None
               ) -> tuple[ForwardBatch, torch.Tensor]:
         """Stages `step` into the buffers as `key`: request b's rows at b * (k + 1) on, padding rows after
         them. Returns the key's batch and, for each of the step's rows in its own order, its padded row.
-        The index arithmetic is numpy's: a step's host work is on the critical path of a synchronous
-        verify-and-draft step."""
+        The index arithmetic is numpy's: a step's host work is on the critical path whenever a
+        verify-and-draft step is read before the next is launched."""
         per, n, buffers = self.k + 1, step.num_requests, self.buffers
         rows = key.requests * per
         ranges = np.asarray(step.row_ranges, dtype=np.int64).reshape(n, 2)
@@ -149,6 +194,8 @@ class SpecGraphs:
             values = getattr(step.sampling, name)
             put(name, (rows,), fill, spread(values, np.full(rows, fill, dtype=values.numpy().dtype)))
         put("real_rows", (len(real),), 0, real)
+        if step.continues:
+            put("replayed", (key.requests, 2 * self.k), -1, step.replayed)
         leases = None
         if key.resolves:
             leases = stage_leases(buffers, key.requests, pages, step, residency, self.scratch_page)

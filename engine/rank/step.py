@@ -62,6 +62,16 @@ class StepInput:
     # number among the previous step's sampled rows (its id is on the device); -1 elsewhere. None: all known.
     prev_rows: torch.Tensor | None = None
     draft: DraftInput | None = None  # speculative decoding: verify this step's drafts and propose the next
+    # A speculative step of the requests of the one launched before it, in the same order, each verifying k
+    # drafts, built by the host as if that step accepted every draft: its inputs (the last accepted token and
+    # the drafts proposed after it) are unread, and its positions, write slots, context lengths and draw keys
+    # run ahead by that step's rejected drafts. The rank takes the inputs from that step's results on its
+    # device and shifts the rest back (engine/rank/spec_graphs.py); the page tables cover the furthest rows.
+    continues: bool = False
+    # [R, 2k] int64 with `continues`: each request's replayed output from the token after the first unread one
+    # (engine/llm_engine.py `replay_drafts`), its drafts taken from the accepted count on; -1 rows draft with the
+    # MTP layer. None: every request does.
+    replayed: torch.Tensor | None = None
     # Rebuilt by each rank from `page_table_rows` (`with_page_tables`) before anything reads them:
     # [B, max_pages] / [B, max_indexer_pages] int32 whole tables, and the resolve's page lists of the
     # requests with host-only pages (batch index -> spec).

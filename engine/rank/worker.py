@@ -114,6 +114,7 @@ class Worker:
         self._staging = [_Staging(torch.zeros(results, dtype=torch.long, pin_memory=pin),
                                   torch.zeros(3, dtype=torch.long, pin_memory=pin)) for _ in range(2)]
         self.num_launched = 0
+        self._spec_graph_launch = -1  # `num_launched` at the last speculative step run through the graphs' buffers
         self.page_tables = PageTableStore()  # the last step's page table rows (engine/page_tables.py)
 
     def memory_info(self) -> tuple[int, int]:
@@ -163,8 +164,11 @@ class Worker:
         step = step.with_page_tables(self.page_tables)
         key = self.graphs.key_for(step) if self.graphs is not None else None
         spec_key = self.spec_graphs.key_for(step) if self.spec_graphs is not None else None
+        if step.continues and (spec_key is None or self._spec_graph_launch != self.num_launched - 1):
+            raise RuntimeError("a continued speculative step must follow one run through the same buffers")
         if spec_key is not None:
             tokens = self.spec_graphs.launch(spec_key, step, self.residency)
+            self._spec_graph_launch = self.num_launched
         elif step.draft is not None:
             tokens = self._speculative(step)
         elif key is not None:
