@@ -102,6 +102,28 @@ def test_continued_steps_cross_a_page_table_width(tiny_dir: Path) -> None:
     assert engine.num_continued_steps > 0
 
 
+def test_abort_while_a_continued_step_runs(tiny_dir: Path, reference: list[list[int]]) -> None:
+    """A request aborted while a continued verifying step for it is in flight: its rows there are discarded, the
+    other requests keep the reference tokens (their steps continue again after one read first) and every page
+    comes back."""
+    engine = _engine(tiny_dir, 3)
+    for i, (prompt, params) in enumerate(zip(PROMPTS, GREEDY)):
+        engine.add_request(f"r{i}", prompt, params)
+    tokens: dict[str, list[int]] = {}
+    continued_at_abort = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+        engine.check_integrity()
+        if continued_at_abort is None and engine.num_continued_steps >= 3:
+            continued_at_abort = engine.num_continued_steps
+            assert engine.abort_request("r1")
+    assert_pages_released(engine)
+    assert set(tokens) == {"r0", "r2"} and [tokens["r0"], tokens["r2"]] == [reference[0], reference[2]]
+    assert continued_at_abort is not None and engine.num_continued_steps > continued_at_abort + 3
+
+
 def test_every_draft_of_the_run_itself_is_accepted(tiny_dir: Path, reference: list[list[int]]) -> None:
     engine = _engine(tiny_dir, 3)
     assert run_checked(engine, PROMPTS, GREEDY, reference) == reference
