@@ -124,6 +124,30 @@ def test_abort_while_a_continued_step_runs(tiny_dir: Path, reference: list[list[
     assert continued_at_abort is not None and engine.num_continued_steps > continued_at_abort + 3
 
 
+def test_rows_mirrored_by_continued_steps_serve_after_demotion(tiny_dir: Path, reference: list[list[int]]) -> None:
+    """Under `hybrid` the kept rows of continued steps are mirrored to host when each step is read (its
+    rejected rows never): two requests decode through continued steps, a third one's admission demotes their
+    pages, and their later steps read those rows back through the hot buffers with the reference tokens."""
+    engine = _engine(tiny_dir, 3, "hybrid", 16)
+    for i in range(2):
+        engine.add_request(f"r{i}", PROMPTS[i], GREEDY[i])
+    tokens: dict[str, list[int]] = {}
+    admitted = False
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+        engine.check_integrity()
+        if not admitted and engine.num_continued_steps >= 6:
+            assert engine.stats()["pages_demoted"] == 0
+            engine.add_request("r2", PROMPTS[2], GREEDY[2])
+            admitted = True
+    assert_pages_released(engine)
+    assert [tokens[f"r{i}"] for i in range(3)] == reference
+    stats = engine.stats()
+    assert stats["pages_demoted"] > 0 and stats["hot_misses"] > 0
+
+
 def test_every_draft_of_the_run_itself_is_accepted(tiny_dir: Path, reference: list[list[int]]) -> None:
     engine = _engine(tiny_dir, 3)
     assert run_checked(engine, PROMPTS, GREEDY, reference) == reference
