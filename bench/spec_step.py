@@ -7,7 +7,8 @@ bench/step.py whose shapes and contexts this reuses. Two draft sources whose acc
 `mtp`, the MTP layer itself (random weights: nearly no draft accepted, the worst case), and `replay`,
 the output of the same engine's `mtp` run of the same prompts fed back as drafts (`LLMEngine.replay_drafts`:
 every draft the target agrees with is accepted, the best case). Tokens a step yields per request are
-measured (1 + accepted / verifying requests, from the engine's `spec_decode_*` counters).
+measured (1 + accepted / verifying requests, from the engine's `spec_decode_*` counters), and the share of
+the timed steps that continued the step before them unread (`cont`, engine/llm_engine.py).
 
 The 78-layer step is built from GPU time (torch.profiler), which separates cleanly by depth: fixed +
 78 x per layer + two all-reduces a layer (`--allreduce-us`) + the logits' gather. Wall time does not: a
@@ -63,6 +64,7 @@ class Measured:
     step_ms: float  # wall time of a step, steps back to back
     device_ms: float  # GPU kernel time of a step
     tokens_per_step: float  # tokens a step yields per verifying request (1 without drafts)
+    continued: float  # share of the timed steps launched before the step they continue was read
 
 
 def _engine(model_dir: str, k: int, mode: str, pages: int, args: argparse.Namespace) -> LLMEngine:
@@ -85,9 +87,9 @@ def measure(engine: LLMEngine, prompts: list[list[int]], tokens: int, replay: li
         engine.step()  # prefill of each prompt's uncached tail
     for _ in range(warmup):
         engine.step()
-    before = dict(engine.spec_stats.as_dict())
+    before, continued = dict(engine.spec_stats.as_dict()), engine.num_continued_steps
     step_ms = wall_ms_per_step(engine, steps)
-    after = engine.spec_stats.as_dict()
+    after, continued = engine.spec_stats.as_dict(), engine.num_continued_steps - continued
     drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     device = device_ms_per_step(engine)
@@ -96,7 +98,8 @@ def measure(engine: LLMEngine, prompts: list[list[int]], tokens: int, replay: li
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.token_ids
-    return Measured(step_ms, device, 1.0 + accepted / drafts if drafts else 1.0), [outputs[r] for r in ids]
+    return (Measured(step_ms, device, 1.0 + accepted / drafts if drafts else 1.0, continued / steps),
+            [outputs[r] for r in ids])
 
 
 def run(args: argparse.Namespace, k: int, mode: str, layers: int, pages: int, with_pdl: bool
@@ -149,13 +152,14 @@ def derive(args: argparse.Namespace, k: int, batch: int, shallow_m: Measured, de
 
 def print_table(rows: list[dict]) -> None:
     k0 = {(r["pdl"], r["ctx"], r["B"]): r for r in rows if r["k"] == 0 and r["mode"] == "graph"}
-    print(f"\n{'k':>2} {'mode':6} {'pdl':3} {'source':7} {'ctx':>6} {'B':>4} {'tok/st':>6} {'dev/l':>7} {'fixed':>6} "
+    print(f"\n{'k':>2} {'mode':6} {'pdl':3} {'source':7} {'ctx':>6} {'B':>4} {'tok/st':>6} {'cont':>4} {'dev/l':>7} "
+          f"{'fixed':>6} "
           f"{'host':>6} {'step78':>7} {'timed78':>7} {'TPOT':>7} {'TPOT@a':>7} {'+host@a':>7} {'timed@a':>7} "
           f"{'x k0':>5} {'timed x k0':>10}")
     for r in rows:
         base = k0[(r["pdl"], r["ctx"], r["B"])]
         print(f"{r['k']:>2} {r['mode']:6} {r['pdl']:3} {r['source']:7} {r['ctx']:>6} {r['B']:>4} "
-              f"{r['tokens_per_step']:6.2f} "
+              f"{r['tokens_per_step']:6.2f} {r['continued']:4.2f} "
               f"{r['device_layer_ms']:7.3f} {r['device_fixed_ms']:6.2f} {r['host_ms']:6.2f} "
               f"{r['device_step78_ms']:7.2f} {r['timed_step78_ms']:7.2f} {r['tpot78_ms']:7.2f} "
               f"{r['tpot78_stated_ms']:7.2f} {r['wall_tpot78_stated_ms']:7.2f} {r['timed_tpot78_stated_ms']:7.2f} "
@@ -198,7 +202,7 @@ def main() -> None:
                              in_fresh_process(run, args, k, mode, deep, pages, with_pdl))
         for (source, ctx, batch), deep_m in t_deep.items():
             row = dict(k=k, mode=mode, pdl=launch, source=source, ctx=ctx, B=batch,
-                       tokens_per_step=deep_m.tokens_per_step,
+                       tokens_per_step=deep_m.tokens_per_step, continued=deep_m.continued,
                        **derive(args, k, batch, t_shallow[(source, ctx, batch)], deep_m))
             rows.append(row)
             if args.out:
