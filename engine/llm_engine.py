@@ -310,13 +310,15 @@ class LLMEngine:
 
     def _continues(self, launch: _SpecLaunch) -> bool:
         """Whether the next step may be launched before `launch` is read: asynchronous scheduling on, nothing
-        waiting or swapped, `launch` verified k drafts for every running request (the graph path's
-        shape, all pages on the GPU, no prefill row), each has room for k + 1 more tokens after `launch`'s (and
-        replayed drafts enough output to replay), and free pages cover everyone's next rows (so scheduling
-        cannot preempt or demote)."""
+        swapped, nothing waiting unless every sequence slot is taken (so nothing is admitted), `launch` verified
+        k drafts for every running request (the graph path's shape, all pages on the GPU, no prefill row), each
+        has room for k + 1 more tokens after `launch`'s (and replayed drafts enough output to replay), and free
+        pages cover everyone's next rows (so scheduling cannot preempt or demote)."""
         k = self.num_speculative_tokens
         sched = self.scheduler
-        if not self.config.async_scheduling or self.config.enforce_eager or sched.waiting or sched.swapped:
+        if not self.config.async_scheduling or self.config.enforce_eager or sched.swapped:
+            return False
+        if sched.waiting and len(sched.running) < sched.config.max_num_seqs:  # one may be admitted
             return False
         if len(launch.out.scheduled) != len(launch.completing) or sched.running != launch.requests:
             return False

@@ -148,6 +148,15 @@ def test_rows_mirrored_by_continued_steps_serve_after_demotion(tiny_dir: Path, r
     assert stats["pages_demoted"] > 0 and stats["hot_misses"] > 0
 
 
+def test_steps_continue_while_a_request_waits_for_a_sequence_slot(tiny_dir: Path,
+                                                                  reference: list[list[int]]) -> None:
+    """With every sequence slot taken a waiting request cannot be admitted, so the running ones keep continuing
+    their steps; the waiting one is admitted when a slot frees (that step read first). Reference tokens."""
+    engine = make_engine(tiny_dir, num_speculative_tokens=3, enable_prefix_cache=False, max_num_seqs=2)
+    assert run_checked(engine, PROMPTS, GREEDY) == reference
+    assert engine.num_continued_steps > engine.num_steps // 2
+
+
 def test_every_draft_of_the_run_itself_is_accepted(tiny_dir: Path, reference: list[list[int]]) -> None:
     engine = _engine(tiny_dir, 3)
     assert run_checked(engine, PROMPTS, GREEDY, reference) == reference
