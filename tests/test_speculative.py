@@ -7,6 +7,7 @@ acceptance known, so accepted and rejected drafts mix and page boundaries are cr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,24 @@ def test_continued_steps_cross_a_page_table_width(tiny_dir: Path) -> None:
     assert engine.num_continued_steps > 0
 
 
+def _run_acting_once(engine: LLMEngine, continued: int, action: Callable[[], None]) -> dict[str, list[int]]:
+    """Steps `engine` to the end, checking the accounting after every step, and runs `action` once after the
+    step that brings its continued steps to `continued`; returns each finished request's tokens."""
+    tokens: dict[str, list[int]] = {}
+    acted = False
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+        engine.check_integrity()
+        if not acted and engine.num_continued_steps >= continued:
+            action()
+            acted = True
+    assert acted
+    assert_pages_released(engine)
+    return tokens
+
+
 def test_abort_while_a_continued_step_runs(tiny_dir: Path, reference: list[list[int]]) -> None:
     """A request aborted while a continued verifying step for it is in flight: its rows there are discarded, the
     other requests keep the reference tokens (their steps continue again after one read first) and every page
@@ -109,19 +128,13 @@ def test_abort_while_a_continued_step_runs(tiny_dir: Path, reference: list[list[
     engine = _engine(tiny_dir, 3)
     for i, (prompt, params) in enumerate(zip(PROMPTS, GREEDY)):
         engine.add_request(f"r{i}", prompt, params)
-    tokens: dict[str, list[int]] = {}
-    continued_at_abort = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.token_ids
-        engine.check_integrity()
-        if continued_at_abort is None and engine.num_continued_steps >= 3:
-            continued_at_abort = engine.num_continued_steps
-            assert engine.abort_request("r1")
-    assert_pages_released(engine)
+
+    def abort() -> None:
+        assert engine.abort_request("r1")
+
+    tokens = _run_acting_once(engine, 3, abort)
     assert set(tokens) == {"r0", "r2"} and [tokens["r0"], tokens["r2"]] == [reference[0], reference[2]]
-    assert continued_at_abort is not None and engine.num_continued_steps > continued_at_abort + 3
+    assert engine.num_continued_steps > 6  # 3 before the abort, and more after it
 
 
 def test_rows_mirrored_by_continued_steps_serve_after_demotion(tiny_dir: Path, reference: list[list[int]]) -> None:
@@ -131,18 +144,12 @@ def test_rows_mirrored_by_continued_steps_serve_after_demotion(tiny_dir: Path, r
     engine = _engine(tiny_dir, 3, "hybrid", 16)
     for i in range(2):
         engine.add_request(f"r{i}", PROMPTS[i], GREEDY[i])
-    tokens: dict[str, list[int]] = {}
-    admitted = False
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.token_ids
-        engine.check_integrity()
-        if not admitted and engine.num_continued_steps >= 6:
-            assert engine.stats()["pages_demoted"] == 0
-            engine.add_request("r2", PROMPTS[2], GREEDY[2])
-            admitted = True
-    assert_pages_released(engine)
+
+    def admit() -> None:
+        assert engine.stats()["pages_demoted"] == 0
+        engine.add_request("r2", PROMPTS[2], GREEDY[2])
+
+    tokens = _run_acting_once(engine, 6, admit)
     assert [tokens[f"r{i}"] for i in range(3)] == reference
     stats = engine.stats()
     assert stats["pages_demoted"] > 0 and stats["hot_misses"] > 0
