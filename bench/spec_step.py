@@ -11,15 +11,17 @@ measured (1 + accepted / verifying requests, from the engine's `spec_decode_*` c
 the timed steps that continued the step before them unread (`cont`, engine/llm_engine.py).
 
 The 78-layer step is built from GPU time (torch.profiler), which separates cleanly by depth: fixed +
-78 x per layer + two all-reduces a layer (`--allreduce-us`) + the logits' gather. Wall time does not: a
-graph-mode step at 4 or 8 layers is as long as the host's preparation of it, so the wall difference
-between depths is noise. The host's share is measured instead, as the wall time the deeper step adds to
+78 x per layer + tensor parallelism's communication, which one rank does not run: two all-reduces a layer
+(`--allreduce-us`), the verified logits' gather, and for each of the k drafting passes the MTP layer's two
+all-reduces and its logits' gather. With PDL a kernel's GPU time includes its wait, so for graphs launched
+that way (one-token steps of up to 8 requests) the wall time's difference between the depths is the measure
+of a layer. The host's share is measured instead, as the wall time the deeper step adds to
 its GPU time. Steps are scheduled asynchronously, a verify-and-draft step too (launched before the step it
 continues is read, engine/llm_engine.py), so the host's work overlaps the GPU and the 78-layer step takes
 the longer of the two; with asynchronous scheduling off a verifying step waits for the host in full.
 A deep enough run (`--depths 8 76`: one rank's 76 layers fit an H200) also times the step itself:
-`timed78` is the 76-layer step's wall time with the two missing layers, the all-reduces and the gather added,
-gaps between kernels and the host's share included. Each engine is built in a fresh process; `--pdl`
+`timed78` is the 76-layer step's wall time with the two missing layers (by wall time) and the communication
+added, gaps between kernels and the host's share included. Each engine is built in a fresh process; `--pdl`
 as in bench/step.py.
 TPOT divides the 78-layer step by the tokens a step yields: at the measured acceptance, and at
 `--acceptance` tokens a step (GLM-5's published 3.5 for 4 drafts; capped at k + 1), with and without the
@@ -132,16 +134,24 @@ def run(args: argparse.Namespace, k: int, mode: str, layers: int, pages: int, wi
 
 
 def derive(args: argparse.Namespace, k: int, batch: int, shallow_m: Measured, deep_m: Measured) -> dict:
-    """The 78-layer step and TPOTs of one (k, B, source) from its two depths' measurements."""
+    """The 78-layer step and TPOTs of one (k, B, source) from its two depths' measurements. One rank runs
+    here, so tensor parallelism's communication is added: two all-reduces a layer, the verified logits'
+    gather, and for each of the k drafting passes of the MTP layer its two all-reduces and its logits' gather."""
     shallow, deep = args.depths
     layer = (deep_m.device_ms - shallow_m.device_ms) / (deep - shallow)
+    wall_layer = (deep_m.step_ms - shallow_m.step_ms) / (deep - shallow)  # both depths GPU-bound, PDL waits out
     fixed = shallow_m.device_ms - shallow * layer
-    gather = args.allreduce_us / 1e3 + batch * (k + 1) * VOCAB * 4 * (TP - 1) / TP / (args.gather_gbs * 1e6)
-    device78 = fixed + gather + 78 * (layer + 2 * args.allreduce_us / 1e3)
+    allreduce = args.allreduce_us / 1e3
+
+    def gather(rows: int) -> float:
+        return allreduce + rows * VOCAB * 4 * (TP - 1) / TP / (args.gather_gbs * 1e6)
+
+    comm = gather(batch * (k + 1)) + k * (2 * allreduce + gather(batch)) + 78 * 2 * allreduce
+    device78 = fixed + 78 * layer + comm
     host = max(0.0, deep_m.step_ms - deep_m.device_ms)
     wall78 = max(device78, deep_m.step_ms)
-    # a deep enough run times the step itself: its wall time, with the layers it lacks and the all-reduces added
-    timed78 = deep_m.step_ms + (78 - deep) * layer + gather + 78 * 2 * args.allreduce_us / 1e3
+    # a deep enough run times the step itself: its wall time, with the layers it lacks and the communication added
+    timed78 = deep_m.step_ms + (78 - deep) * wall_layer + comm
     stated = min(args.acceptance, k + 1.0)
     return dict(wall_shallow_ms=shallow_m.step_ms, wall_deep_ms=deep_m.step_ms, device_shallow_ms=shallow_m.device_ms,
                 device_deep_ms=deep_m.device_ms, device_layer_ms=layer, device_fixed_ms=fixed, host_ms=host,
