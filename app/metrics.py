@@ -6,9 +6,9 @@ dashboard joins to deployment and replica. Our own `hisparse_*` figures carry a
 `role` label (prefill or decode): GPU and host page use, requests per residency
 state, hot-buffer hits and misses, rows and bytes loaded from host, mirroring,
 preemptions, swaps and the prefill/decode transfer; speculative decoding's drafts and
-accepted tokens under vLLM's `spec_decode` names. One `ReplicaMetrics` per replica: gauges are
-refreshed from the engine's stats by the replica's periodic task, counters the
-engine keeps as running totals advance by their deltas, and per-request figures
+accepted tokens under vLLM's `spec_decode` names, and its verifying steps launched before the one before
+was read. One `ReplicaMetrics` per replica: gauges are refreshed from the engine's stats by the replica's
+periodic task, counters the engine keeps as running totals advance by their deltas, and per-request figures
 are recorded when a request ends.
 """
 
@@ -40,6 +40,8 @@ _TOTALS = {
     "spec_decode_num_drafts": ("vllm_spec_decode_num_drafts", "Requests' verifications of MTP drafts."),
     "spec_decode_num_draft_tokens": ("vllm_spec_decode_num_draft_tokens", "Draft tokens verified."),
     "spec_decode_num_accepted_tokens": ("vllm_spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    "spec_decode_num_continued_steps": (
+        "hisparse_spec_decode_continued_steps", "Verifying steps launched before the step they continue was read."),
 }
 # Engine stats that are levels -> the gauge each sets.
 _LEVELS = {

@@ -564,6 +564,7 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "steps": self.num_steps,
             **self.spec_stats.as_dict(),
+            "spec_decode_num_continued_steps": self.num_continued_steps,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
         }

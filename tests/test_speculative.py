@@ -56,6 +56,7 @@ def test_mtp_drafts_keep_the_greedy_tokens(tiny_dir: Path, reference: list[list[
     # their inputs from that step's results and move their rows back by its rejected drafts.
     assert engine.num_continued_steps > engine.num_steps // 2
     stats = engine.stats()
+    assert stats["spec_decode_num_continued_steps"] == engine.num_continued_steps  # a dashboard counter
     drafts, draft_tokens = stats["spec_decode_num_drafts"], stats["spec_decode_num_draft_tokens"]
     assert 0 < drafts <= draft_tokens <= k * drafts
 
