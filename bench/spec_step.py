@@ -89,9 +89,9 @@ def measure(engine: LLMEngine, prompts: list[list[int]], tokens: int, replay: li
         engine.step()  # prefill of each prompt's uncached tail
     for _ in range(warmup):
         engine.step()
-    before, continued = dict(engine.spec_stats.as_dict()), engine.num_continued_steps
+    before, continued_before = dict(engine.spec_stats.as_dict()), engine.num_continued_steps
     step_ms = wall_ms_per_step(engine, steps)
-    after, continued = engine.spec_stats.as_dict(), engine.num_continued_steps - continued
+    after, continued = engine.spec_stats.as_dict(), engine.num_continued_steps - continued_before
     drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     device = device_ms_per_step(engine)

@@ -6,8 +6,8 @@ what finished (`async_scheduling`; off, the step's own tokens are read before
 `step()` returns). With speculative decoding a step is launched before the one it
 continues is read, as if that one accepted every draft; the ranks move it back by
 the drafts rejected (`_speculative_step`). Everything is single-threaded here;
-`AsyncEngine` drives it from a background thread. This process is the replica's driver: it owns scheduling,
-page accounting and residency decisions, and runs the model through an
+`AsyncEngine` drives it from a background thread. This process is the replica's
+driver: it owns scheduling, page accounting and residency decisions, and runs the model through an
 executor (engine/executors/) on one rank in this process or on
 `tensor_parallel_size` ranks in worker processes. A failed rank makes `step()`
 raise `WorkerError`, which ends the async loop and marks the replica unhealthy.
@@ -381,10 +381,10 @@ class LLMEngine:
         k = self.num_speculative_tokens
         n, r = sum(launch.num_drafts) + len(launch.num_drafts), len(launch.completing)
         sampled, accepted_counts, proposals = result[:n], result[n : n + r], result[n + r :]
-        continued = {id(s.request): s.num_new_tokens for s in later.completing} if later is not None else {}
+        # rows `later` counted for each request it continues (their drafts are already in it)
+        later_rows = {s.request.request_id: s.num_new_tokens for s in later.completing} if later is not None else {}
         outputs: list[RequestOutput] = []
         rejected: dict[str, int] = {}
-        later_rows: dict[str, int] = {}
         finishing: list[tuple[Request, FinishReason]] = []  # ended by a token of this step: finished below
         start = 0
         for i, (s, drafts) in enumerate(zip(launch.completing, launch.num_drafts)):
@@ -396,8 +396,6 @@ class LLMEngine:
             req.num_pending_tokens -= drafts + 1
             self.spec_stats.record(drafts, accepted)
             rejected[req.request_id] = drafts - accepted
-            if id(req) in continued:
-                later_rows[req.request_id] = continued[id(req)]
             ended, done = len(finishing), False
             for token in tokens:
                 outputs.append(self._complete(req, token, finishing))
@@ -407,7 +405,7 @@ class LLMEngine:
             if done:
                 req.draft_token_ids = []
                 self._replayed_drafts.pop(req.request_id, None)
-            elif id(req) not in continued:
+            elif req.request_id not in later_rows:
                 req.draft_token_ids = self._next_drafts(req, proposals[i * k : (i + 1) * k])
         # The accepted rows count and their pages register (the accepted drafts are outputs now), also for the
         # requests this step ends; then those end.

@@ -67,8 +67,6 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.fp8_gemm import (
-
-
     _DEFAULT_SMS,
     FP8_BLOCK,
     Fp8Activations,

@@ -14,13 +14,13 @@ the chosen experts exactly (in order of decreasing score; the reference's order 
 The logits themselves (`router_logits`) are the float32 product of the activations and the float32 router
 weight the reference computes, for decode batches as partial sums over K ranges spread across programs (a
 few rows against 256 x 6144 weights: a handful of programs would each stream megabytes), added in a fixed
-order by the selection launch, or, for a token or two, by the last range of each expert tile to arrive. The dots run as three TF32 products (`tf32x3`: the weight split into a TF32
-head and tail; bf16 activations are exact in TF32), within float32 rounding of the IEEE product (2-3e-6
-absolute at GLM-5.3's shapes against cuBLAS, as IEEE dots in another order) on tensor cores: 7 us at 1-8
-tokens and 13 us at 32 on an H200, where cuBLAS takes 6-19 us and IEEE dots in Triton 17-32 us. From
-`ROUTER_PARTIAL_TOKENS` up cuBLAS is faster and computes the logits whole. Up to `ROUTER_FMA_TOKENS` tokens
-the partial sums are IEEE float32 products summed in registers, one token per program (no mostly empty
-16-row dot tiles).
+order by the selection launch, or, for a token or two, by the last range of each expert tile to arrive. The
+dots run as three TF32 products (`tf32x3`: the weight split into a TF32 head and tail; bf16 activations are
+exact in TF32), within float32 rounding of the IEEE product (2-3e-6 absolute at GLM-5.3's shapes against
+cuBLAS, as IEEE dots in another order) on tensor cores: 7 us at 1-8 tokens and 13 us at 32 on an H200, where
+cuBLAS takes 6-19 us and IEEE dots in Triton 17-32 us. From `ROUTER_PARTIAL_TOKENS` up cuBLAS is faster and
+computes the logits whole. Up to `ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32 products summed
+in registers, one token per program (no mostly empty 16-row dot tiles).
 """
 
 from __future__ import annotations

@@ -180,7 +180,7 @@ class Worker:
         if step.draft is None:
             n = step.num_logits
             self.last_tokens[:n].copy_(tokens[:n])  # the next step's unread inputs
-        else:  # a speculative step runs alone: everything it returns is read before the next is built
+        else:  # a speculative step's inputs the host has not read come from its results (SpecGraphs._continue)
             n = int(tokens.shape[0])
         staging.tokens[:n].copy_(tokens[:n], non_blocking=True)
         if self.residency is not None:
