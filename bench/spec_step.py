@@ -13,7 +13,7 @@ the timed steps that continued the step before them unread (`cont`, engine/llm_e
 The 78-layer step is built from GPU time (torch.profiler), which separates cleanly by depth: fixed +
 78 x per layer + tensor parallelism's communication, which one rank does not run: two all-reduces a layer
 (`--allreduce-us`), the verified logits' gather, and for each of the k drafting passes the MTP layer's two
-all-reduces and its logits' gather. With PDL a kernel's GPU time includes its wait, so for graphs launched
+all-reduces and the gather of each rank's best (value, token) pairs. With PDL a kernel's GPU time includes its wait, so for graphs launched
 that way (one-token steps of up to 8 requests) the wall time's difference between the depths is the measure
 of a layer. The host's share is measured instead, as the wall time the deeper step adds to
 its GPU time. Steps are scheduled asynchronously, a verify-and-draft step too (launched before the step it
@@ -136,17 +136,19 @@ def run(args: argparse.Namespace, k: int, mode: str, layers: int, pages: int, wi
 def derive(args: argparse.Namespace, k: int, batch: int, shallow_m: Measured, deep_m: Measured) -> dict:
     """The 78-layer step and TPOTs of one (k, B, source) from its two depths' measurements. One rank runs
     here, so tensor parallelism's communication is added: two all-reduces a layer, the verified logits'
-    gather, and for each of the k drafting passes of the MTP layer its two all-reduces and its logits' gather."""
+    gather, and for each of the k drafting passes of the MTP layer its two all-reduces and the gather of
+    the ranks' (value, token) pairs."""
     shallow, deep = args.depths
     layer = (deep_m.device_ms - shallow_m.device_ms) / (deep - shallow)
     wall_layer = (deep_m.step_ms - shallow_m.step_ms) / (deep - shallow)  # both depths GPU-bound, PDL waits out
     fixed = shallow_m.device_ms - shallow * layer
     allreduce = args.allreduce_us / 1e3
 
-    def gather(rows: int) -> float:
-        return allreduce + rows * VOCAB * 4 * (TP - 1) / TP / (args.gather_gbs * 1e6)
+    def gather(rows: int, row_bytes: int) -> float:
+        return allreduce + rows * row_bytes * (TP - 1) / TP / (args.gather_gbs * 1e6)
 
-    comm = gather(batch * (k + 1)) + k * (2 * allreduce + gather(batch)) + 78 * 2 * allreduce
+    # the verified rows' float32 logits; a drafting pass's best (value, token) pair a row from each rank
+    comm = gather(batch * (k + 1), VOCAB * 4) + k * (2 * allreduce + gather(batch, TP * 8)) + 78 * 2 * allreduce
     device78 = fixed + 78 * layer + comm
     host = max(0.0, deep_m.step_ms - deep_m.device_ms)
     wall78 = max(device78, deep_m.step_ms)

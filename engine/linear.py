@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations, fp8_block_linear, fp8_block_linear_ref
+from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations, fp8_block_linear, fp8_block_linear_ref, quantize_weight_blocks
 
 # Projections that stay plain even in an FP8 model: kv_b_proj is used in its absorbed form (its key and
 # value halves multiply queries and outputs per head), the indexer's head weights and the router are
@@ -51,6 +51,19 @@ class Fp8Linear(nn.Module):
                                    requires_grad=False)
         self.weight_scale_inv = nn.Parameter(
             torch.ones(_blocks(out_features), _blocks(in_features), dtype=torch.float32), requires_grad=False)
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor, rows_at_once: int = 64 * FP8_BLOCK) -> Fp8Linear:
+        """An FP8 copy of a plain weight [N, K], on its device, quantised `rows_at_once` rows at a time so the
+        float32 temporaries stay small beside a loaded model."""
+        n, k = weight.shape
+        with torch.device(weight.device):
+            linear = cls(k, n)
+        for start in range(0, n, rows_at_once):
+            q, scale = quantize_weight_blocks(weight[start : start + rows_at_once])
+            linear.weight.data[start : start + rows_at_once] = q
+            linear.weight_scale_inv.data[start // FP8_BLOCK : start // FP8_BLOCK + scale.shape[0]] = scale
+        return linear
 
     def forward(self, x: torch.Tensor, x_fp8: Fp8Activations | None = None) -> torch.Tensor:
         """`x_fp8`: x already quantised by its producer (an RMSNorm), so the GEMM skips that launch."""

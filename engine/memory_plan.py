@@ -92,11 +92,13 @@ def _mlp_bytes(hidden: int, intermediate: int, fmt: WeightFormat, d: int) -> int
 def mtp_layer_bytes(cfg: ModelConfig, tp_size: int, fmt: WeightFormat, d: int) -> int:
     """One MTP layer (engine/mtp.py) on one rank: an MoE decoder block without an indexer (it uses the
     target's selection), `eh_proj` [H, 2H] (replicated) and its three norms (`enorm`, `hnorm`,
-    `shared_head.norm`); its embedding and head are the target's."""
-    h = cfg.hidden_size
+    `shared_head.norm`); its embedding and head are the target's. An FP8 model drafts through FP8 copies
+    (`GlmMoeDsaForCausalLM.prepare_drafting`): `eh_proj` is held in FP8 and the head's rows once more."""
+    h, drafting_fp8 = cfg.hidden_size, fmt.kind == "fp8"
     block = 2 * h * d + attention_weight_bytes(cfg, cfg.num_attention_heads // tp_size, fmt, d)
     block += _moe_bytes(cfg, cfg.moe_intermediate_size // tp_size, fmt, d)
-    return block + linear_weight_bytes(h, 2 * h, fmt.is_fp8("eh_proj"), d) + 3 * h * d
+    head_copy = linear_weight_bytes(cfg.vocab_size // tp_size, h, True, d) if drafting_fp8 else 0
+    return block + linear_weight_bytes(h, 2 * h, drafting_fp8, d) + 3 * h * d + head_copy
 
 
 def weight_bytes(cfg: ModelConfig, tp_size: int, fmt: WeightFormat, dtype: torch.dtype,

@@ -124,6 +124,28 @@ def test_an_fp8_eh_proj_loads_dequantised(fp8_dir: Path, tmp_path: Path) -> None
     assert stored[name].dtype == torch.float8_e4m3fn and torch.equal(model.mtp_layers[0].eh_proj.weight, expected)
 
 
+def test_an_fp8_model_drafts_through_fp8_copies_of_the_head_and_eh_proj(fp8_dir: Path) -> None:
+    """`prepare_drafting`: the drafting passes read FP8 copies of lm_head and eh_proj (block scales within the
+    e4m3 rounding of the loaded weights); the verifying pass keeps the bf16 head. Drafts by the copy are the
+    bf16 head's most probable tokens but where two logits nearly tie."""
+    model = _build(fp8_dir, True, 1)
+    load_weights(model, fp8_dir, torch.bfloat16)
+    lm_head, eh_proj = model.lm_head.weight.detach().clone(), model.mtp_layers[0].eh_proj.weight.detach().clone()
+    model.prepare_drafting()
+    mtp = model.mtp_layers[0]
+    assert model.lm_head.weight.dtype == torch.bfloat16 and torch.equal(model.lm_head.weight, lm_head)
+    for copy, plain in ((model.draft_lm_head, lm_head), (mtp.eh_proj, eh_proj)):
+        assert copy.weight.dtype == torch.float8_e4m3fn and copy.weight.shape == plain.shape
+        error = (dequantize_fp8_block(copy.weight, copy.weight_scale_inv, torch.float32) - plain.float()).abs()
+        assert float(error.max()) <= float(plain.float().abs().max()) / 16  # e4m3: 3 mantissa bits
+    normed = torch.randn(64, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    drafts, best = model.draft_tokens(normed), model.logits(normed).argmax(dim=-1)
+    assert drafts.dtype == torch.int64 and float((drafts == best).float().mean()) >= 0.9
+    dense = _build(fp8_dir, False, 1)
+    dense.prepare_drafting()  # a dense model drafts through its own head
+    assert dense.draft_lm_head is None and not isinstance(dense.mtp_layers[0].eh_proj, type(mtp.eh_proj))
+
+
 def test_mtp_layers_copies_and_indexer_are_never_read(tiny_dir: Path, tmp_path: Path) -> None:
     """Published checkpoints also store an indexer in the MTP layer, which the engine's MTP layer does not
     have (it attends over the target's selection): loading skips it, as it skips the embedding and head copies."""
@@ -177,6 +199,7 @@ def test_memory_plan_counts_the_mtp_layers_bytes(tiny_dir: Path, fp8_dir: Path, 
     for rank in range(tp_size):
         model = build_model(cfg, TensorParallel(rank, tp_size), fmt, dtype, torch.device("cpu"), num_draft_layers=1)
         model.hold_float32_parts()  # as the worker holds them
+        model.prepare_drafting()
         allocated = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         assert weight_bytes(cfg, tp_size, fmt, dtype, num_draft_layers=1) == allocated
     assert weight_bytes(cfg, tp_size, fmt, dtype, num_draft_layers=1) > weight_bytes(cfg, tp_size, fmt, dtype)
@@ -187,6 +210,7 @@ def test_glm53_plan_counts_its_mtp_layer() -> None:
     fmt = WeightFormat("fp8")
     model = build_model(cfg, TensorParallel(0, 8), fmt, torch.bfloat16, torch.device("meta"), num_draft_layers=1)
     model.hold_float32_parts()
+    model.prepare_drafting()
     allocated = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     assert weight_bytes(cfg, 8, fmt, torch.bfloat16, num_draft_layers=1) == allocated
 

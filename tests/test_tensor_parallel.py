@@ -234,6 +234,29 @@ def test_random_weights_are_one_model_at_every_split(tiny_dir: Path) -> None:
     assert torch.equal(dict(shard.named_parameters())[name], dict(full.named_parameters())[name].chunk(4)[1])
 
 
+def _argmax_on_rank(rank: int, size: int, store: str, logits: torch.Tensor, out: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    try:
+        tp = TensorParallel(rank, size)
+        torch.save(tp.argmax_columns(tp.shard(logits, 1)), f"{out}.{rank}")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_argmax_over_vocabulary_shards_is_the_whole_rows(tmp_path: Path) -> None:
+    """Drafts are each rank's best (value, column) pair, gathered: every rank gets the whole row's argmax,
+    the first of equal maxima, within a shard and across shards."""
+    logits = torch.randn(6, 12, generator=torch.Generator().manual_seed(0))
+    logits[1, [2, 9]] = logits[1].max() + 1  # equal maxima on ranks 0 and 1
+    logits[2, [7, 8]] = logits[2].max() + 1  # on rank 1 only
+    logits[3, 11] = logits[3].max() + 1  # the last column
+    out = str(tmp_path / "argmax")
+    torch.multiprocessing.spawn(_argmax_on_rank, args=(2, str(tmp_path / "store"), logits, out), nprocs=2)
+    for rank in range(2):
+        assert torch.equal(torch.load(f"{out}.{rank}"), logits.argmax(dim=-1))
+    assert logits.argmax(dim=-1)[:4].tolist()[1:] == [2, 7, 11]
+
+
 def test_placement_group_bundles() -> None:
     assert placement_group_bundles(1, "cuda") == [{"CPU": 1.0, "GPU": 1.0}]
     bundles = placement_group_bundles(8, "cuda")

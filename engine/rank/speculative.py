@@ -15,8 +15,8 @@ target pass (the target's last full layer's top-K, already resolved into KV slot
 copied): the residency resolve runs once per step, never per draft. Their KV rows go to the scratch
 page: they would be computed again by the next step (its rows start at the first unverified position).
 
-Drafts take the most probable token; any choice keeps the output exact, the most probable one is the
-likeliest to be accepted.
+Drafts take the most probable token (`GlmMoeDsaForCausalLM.draft_tokens`: by FP8 copies of the head in an FP8
+model); any choice keeps the output exact, the most probable one is the likeliest to be accepted.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def speculative_step(model: GlmMoeDsaForCausalLM, batch: ForwardBatch, kv_pool: 
     next_ids = draft.next_ids.clone()
     next_ids[rows] = tokens
     stream, normed = mtp.draft(model.model.embed_tokens(next_ids), hidden, ctx, selection)
-    proposals = [model.logits(normed[base]).argmax(dim=-1)]
+    proposals = [model.draft_tokens(normed[base])]
 
     replayed = Selection(selection.slots[base], selection.lens[base])
     stream = stream[base]
@@ -76,6 +76,6 @@ def speculative_step(model: GlmMoeDsaForCausalLM, batch: ForwardBatch, kv_pool: 
         step_batch = dataclasses.replace(batch, input_ids=proposals[-1], positions=positions, mla_write_slots=writes)
         step_ctx = StepContext(step_batch, cos, sin, kv_pool, layout, ops)
         stream, normed = mtp.draft(model.model.embed_tokens(proposals[-1]), stream, step_ctx, replayed)
-        proposals.append(model.logits(normed).argmax(dim=-1))
+        proposals.append(model.draft_tokens(normed))
     drafts = torch.stack(proposals, dim=1).reshape(-1)
     return torch.cat([tokens, accepted, drafts])

@@ -96,6 +96,7 @@ class Worker:
             random_init(self.model, spec.random_seed)
         else:
             load_weights(self.model, spec.model_dir, spec.dtype)
+        self.model.prepare_drafting()
         self.model.eval()
         # Triton sparse attention on GPUs; the PyTorch reference elsewhere.
         ops = TritonAttentionOps if device.type == "cuda" else TorchAttentionOps

@@ -52,6 +52,19 @@ class TensorParallel:
         _gather_into(parts, x.contiguous())  # one collective into one buffer: capturable in a CUDA graph
         return parts.view(self.size, *x.shape).permute(1, 0, 2).reshape(x.shape[0], -1)
 
+    def argmax_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """int64 [S]: the column of each row's largest value in [S, size * n], of which every rank holds its
+        columns [S, n] (a vocabulary split's logits), the first of equal ones as `argmax` of the whole would
+        give. Each rank gathers its rows' best (value, column) pairs, not its columns: two numbers a row."""
+        best = x.argmax(dim=-1)
+        if self.size == 1:
+            return best
+        # columns as float32 are exact below 2**24: a vocabulary split is far below
+        pairs = torch.stack([x.gather(1, best[:, None])[:, 0].float(), (best + self.rank * x.shape[1]).float()], 1)
+        gathered = self.all_gather_columns(pairs).view(x.shape[0], self.size, 2)
+        winner = gathered[..., 0].argmax(dim=1, keepdim=True)  # the lowest rank among equal values
+        return gathered[..., 1].gather(1, winner)[:, 0].long()
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sums the ranks' partial results in place. Every rank receives the same bytes, which keeps
         the replicated parts of the model (latent cache, indexer, router) identical on all ranks."""

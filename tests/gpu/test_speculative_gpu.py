@@ -95,3 +95,29 @@ def test_captured_speculative_steps_match_eager_ones(tiny_dir: Path, pressure: b
         assert engine.num_continued_steps > engine.num_steps // 2
     stats, eager_stats = engine.stats(), eager.stats()
     assert stats["spec_decode_num_accepted_tokens"] == eager_stats["spec_decode_num_accepted_tokens"]
+
+
+def test_an_fp8_model_drafts_through_its_fp8_head(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """An FP8 checkpoint drafts through FP8 copies of lm_head and eh_proj (the Triton FP8 GEMV at one row):
+    the copy's most probable tokens are the bf16 head's but where logits nearly tie, and captured steps
+    draft, verify and roll back as the eager ones do: the same tokens while both run the same rows. FP8 GEMMs
+    pick their kernel by row count (a GEMV at one row, tensor cores at k + 1), which rounds differently and
+    flips a random tiny model's greedy tokens, so decoding without drafts is not the reference here, and
+    near `max_tokens` (an eager step runs only the drafts a request can still use, a captured one pads them)
+    the runs may part (seen on the H200 two tokens before the end)."""
+    from engine.tiny import make_tiny
+
+    fp8_dir = make_tiny(tmp_path_factory.mktemp("tiny-fp8"), seed=0, fp8=True)
+    eager = _engine(fp8_dir, 3, False)
+    want = run_checked(eager, _prompts(), _params())
+    engine = _engine(fp8_dir, 3, False, enforce_eager=False)
+    model = engine.executor.worker.model
+    assert model.draft_lm_head is not None
+    assert model.mtp_layers[0].eh_proj.weight.dtype == torch.float8_e4m3fn
+    normed = torch.randn(64, model.cfg.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    agree = (model.draft_tokens(normed.bfloat16()) == model.logits(normed.bfloat16()).argmax(dim=-1)).float()
+    assert float(agree.mean()) >= 0.9
+    same_rows = NEW_TOKENS - 4  # before any request's drafts are cut by its max_tokens (k = 3)
+    got = run_checked(engine, _prompts(), _params())
+    assert [t[:same_rows] for t in got] == [t[:same_rows] for t in want]
+    assert engine.executor.worker.spec_graphs.steps_run and engine.stats()["spec_decode_num_draft_tokens"] > 0
