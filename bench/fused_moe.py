@@ -127,7 +127,8 @@ def candidates(t: int, fp8: bool) -> list[FusedMoEConfig]:
                         out.append(c)
     if t * K >= 4 * E:
         out.append(FusedMoEConfig(block_m=32, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3))
-    if t <= 2 and fp8:  # a token or two: the GEMV form's tiles (gate/up rows and columns, down columns)
+    if t <= 4 and fp8:  # up to four tokens (a verifying step of k = 3): the GEMV form's tiles (gate/up rows and
+        # columns, down columns)
         for bn, bk, warps in ((4, 2048, 4), (8, 2048, 8), (8, 1024, 4), (8, 512, 4), (2, 2048, 4), (4, 1024, 4)):
             for bnd in (8, 16, 32):
                 c = FusedMoEConfig(gemv=True, block_n=bn, block_k=bk, num_warps=warps, block_n_down=bnd,

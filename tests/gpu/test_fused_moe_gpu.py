@@ -125,18 +125,20 @@ def test_fused_moe_swap_ab_and_prefill_tiles(moe, experts):
 
 
 def test_fused_moe_folded_shared_expert(moe, experts):
-    """engine/layers.py stacks the shared expert as expert E and routes every token to it with weight 1."""
+    """engine/layers.py stacks the shared expert as expert E and routes every token to it with weight 1; at
+    T = 4 (a verifying step of k = 3) that is 36 slots, which take their own tiles (`FusedMoEConfig.for_problem`)."""
     w = experts["fp8"]
     extra = dict(w13=torch.cat([w["w13"], w["w13"][:1]]), w2=torch.cat([w["w2"], w["w2"][:1]]),
                  w13_scale_inv=torch.cat([w["w13_scale_inv"], w["w13_scale_inv"][:1]]),
                  w2_scale_inv=torch.cat([w["w2_scale_inv"], w["w2_scale_inv"][:1]]))
-    t = 64
-    x = activations(t, seed=7)
-    weights, ids = routing(t, seed=8)
-    weights = torch.cat([weights, torch.ones_like(weights[:, :1])], 1)
-    ids = torch.cat([ids, torch.full_like(ids[:, :1], E)], 1)
-    out = moe.fused_moe(x, topk_weights=weights, topk_ids=ids, **extra)
-    check(out.float(), moe.fused_moe_ref(x, topk_weights=weights, topk_ids=ids, **extra).float(), "fp8 + shared")
+    for t in (4, 64):
+        x = activations(t, seed=7)
+        weights, ids = routing(t, seed=8)
+        weights = torch.cat([weights, torch.ones_like(weights[:, :1])], 1)
+        ids = torch.cat([ids, torch.full_like(ids[:, :1], E)], 1)
+        out = moe.fused_moe(x, topk_weights=weights, topk_ids=ids, **extra)
+        ref = moe.fused_moe_ref(x, topk_weights=weights, topk_ids=ids, **extra)
+        check(out.float(), ref.float(), f"fp8 + shared, T={t}")
     del extra
     torch.cuda.empty_cache()
 
