@@ -90,10 +90,10 @@ class SyntheticTopK:
 
     def indexer_topk(
         self, q: torch.Tensor, weights: torch.Tensor, view: torch.Tensor, batch: ForwardBatch, topk: int,
-        scale: float, full_index: int,
+        scale: float, full_index: int, derived: dict[str, object] | None = None,
     ) -> TopK:
         """The model's choice for the whole batch, then the synthetic one over its decode rows."""
-        chosen = self.ops.indexer_topk(q, weights, view, batch, topk, scale, full_index)
+        chosen = self.ops.indexer_topk(q, weights, view, batch, topk, scale, full_index, derived)
         decode = [(start, req) for req, (start, end) in enumerate(batch.row_ranges)
                   if end - start == 1 and batch.context_lens_host[req] > topk]
         if not decode:

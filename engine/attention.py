@@ -14,7 +14,7 @@ writes the same rows and selects the same positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -43,6 +43,10 @@ class StepContext:
     kv_pool: torch.Tensor
     layout: KVLayout
     ops: AttentionOps
+    # What the ops derive from the batch once a forward and every layer reads alike (the indexer's per-row
+    # limits at each full layer): kept with the forward, never with the batch, whose buffers a CUDA graph
+    # replays with new contents.
+    derived: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -80,7 +84,7 @@ class Indexer(nn.Module):
         view = layout.indexer_layer_view(ctx.kv_pool, full_index)
 
         topk = cfg.index_topk
-        chosen = ops.indexer_topk(q, weights, view, batch, topk, cfg.index_head_dim**-0.5, full_index)
+        chosen = ops.indexer_topk(q, weights, view, batch, topk, cfg.index_head_dim**-0.5, full_index, ctx.derived)
         positions = chosen.positions
         if positions.shape[1] < topk:  # contexts shorter than K: pad to [T, K] (entries past lens are never read)
             positions = torch.zeros(batch.num_rows, topk, dtype=torch.long, device=x.device)

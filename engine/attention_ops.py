@@ -48,7 +48,7 @@ class AttentionOps(Protocol):
 
     def indexer_topk(
         self, q: torch.Tensor, weights: torch.Tensor, view: IndexerKeys, batch: ForwardBatch, topk: int,
-        scale: float, full_index: int,
+        scale: float, full_index: int, derived: dict[str, object] | None = None,
     ) -> TopK:
         """Top-K positions of every row of `batch`: q [T, Hi, Di], weights [T, Hi] against the keys of one
         full layer's indexer `view` (`KVLayout.indexer_layer_view`); row t sees positions <= batch.positions[t].
@@ -56,7 +56,9 @@ class AttentionOps(Protocol):
         counts[t] = min(K, visible positions). K' = min(K, batch.max_context): shorter contexts select
         fewer positions, the caller pads. Equal scores rank by position, so that chunking and
         batching never change a selection. `full_index` with a request id names a stream of choices:
-        implementations may keep per-stream state (a synthetic top-K trace).
+        implementations may keep per-stream state (a synthetic top-K trace). `derived` lives as long as one
+        forward (`StepContext.derived`): what an implementation computes from `batch` alone may be kept there
+        for the step's other full layers.
         """
         ...
 
@@ -96,7 +98,7 @@ class TorchAttentionOps:
 
     def indexer_topk(
         self, q: torch.Tensor, weights: torch.Tensor, view: IndexerKeys, batch: ForwardBatch, topk: int,
-        scale: float, full_index: int,
+        scale: float, full_index: int, derived: dict[str, object] | None = None,
     ) -> TopK:
         """One request at a time: gathers and decodes its keys, then scores its rows (see `AttentionOps`)."""
         width = min(topk, batch.max_context)

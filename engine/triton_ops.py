@@ -9,6 +9,8 @@ of launches whatever the number of requests.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from engine.attention_ops import TopK, TorchAttentionOps
@@ -22,6 +24,27 @@ from kernels.topk import topk_positions
 _SCORE_ELEMENTS = 1 << 25
 # Query rows of one scoring launch at most (the kernel's grid limit).
 _MAX_LAUNCH_ROWS = 65535
+
+
+class _IndexerRows(NamedTuple):
+    """What the indexer's launches read of a step's rows, the same at each of its full layers (int32 where the
+    kernel reads it): ten small launches a full layer when made again for each."""
+
+    page_table: torch.Tensor  # [R, pages] int32
+    row_to_req: torch.Tensor  # [T] int32
+    row_ctx: torch.Tensor  # [T] int32: the row's request's context
+    visible: torch.Tensor  # [T] int32: positions the row sees, its position + 1
+    counts: torch.Tensor  # [T] int64: positions it selects, min(its context, position + 1, width)
+    past_context: torch.Tensor  # [T, width] bool: columns past the row's context (a shorter request's padding)
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, width: int) -> _IndexerRows:
+        row_ctx = batch.context_lens[batch.req_of_row]
+        visible = batch.positions + 1
+        columns = torch.arange(width, device=row_ctx.device)[None, :]
+        return cls(batch.indexer_page_table.to(torch.int32), batch.req_of_row.to(torch.int32),
+                   row_ctx.to(torch.int32), visible.to(torch.int32),
+                   torch.clamp(torch.minimum(row_ctx, visible), max=width), columns >= row_ctx[:, None])
 
 
 class TritonAttentionOps(TorchAttentionOps):
@@ -43,33 +66,31 @@ class TritonAttentionOps(TorchAttentionOps):
 
     def indexer_topk(
         self, q: torch.Tensor, weights: torch.Tensor, view: IndexerKeys, batch: ForwardBatch, topk: int,
-        scale: float, full_index: int,
+        scale: float, full_index: int, derived: dict[str, object] | None = None,
     ) -> TopK:
         """All rows of the batch from the page pool (see `AttentionOps`); the same positions as the PyTorch
-        ops, padding included (positions past a request's context read 0, as there)."""
+        ops, padding included (positions past a request's context read 0, as there). The rows' limits are
+        the same at every full layer of a step: made once a forward when `derived` is given."""
         max_ctx = batch.max_context
         width = min(topk, max_ctx)
-        page_table = batch.indexer_page_table.to(torch.int32)
-        row_to_req = batch.req_of_row.to(torch.int32)
-        row_ctx = batch.context_lens[batch.req_of_row]
-        limits = batch.positions + 1
-        # Row t sees min(its context, its position + 1) = position + 1 positions, and selects up to K of them.
-        counts = torch.clamp(torch.minimum(row_ctx, limits), max=width)
-        row_ctx32, limits32 = row_ctx.to(torch.int32), limits.to(torch.int32)
+        limits = derived.get("indexer_rows") if derived is not None else None
+        if limits is None:
+            limits = _IndexerRows.of(batch, width)
+            if derived is not None:
+                derived["indexer_rows"] = limits
         positions = torch.empty(batch.num_rows, width, dtype=torch.long, device=q.device)
         rows = max(1, min(_MAX_LAUNCH_ROWS, _SCORE_ELEMENTS // max(max_ctx, topk)))
         for start in range(0, batch.num_rows, rows):
             part = slice(start, start + rows)
             scores = indexer_scores(
-                q[part], weights[part], view, page_table, row_to_req[part], row_ctx32[part], limits32[part],
-                kv_format=self.layout.kv_format, scale=scale, topk=topk, max_ctx=max_ctx,
+                q[part], weights[part], view, limits.page_table, limits.row_to_req[part], limits.row_ctx[part],
+                limits.visible[part], kv_format=self.layout.kv_format, scale=scale, topk=topk, max_ctx=max_ctx,
             )
             topk_positions(scores, width, out=positions[part])
-        # Past its own context, a request shorter than the width gets invisible positions from the top-K;
-        # the PyTorch ops leave those columns 0.
-        columns = torch.arange(width, device=q.device)[None, :]
-        positions.masked_fill_(columns >= row_ctx[:, None], 0)
-        return TopK(positions, counts)
+        # Past its own context, a request shorter than the width gets invisible positions from the top-K; the
+        # PyTorch ops leave those columns 0.
+        positions.masked_fill_(limits.past_context, 0)
+        return TopK(positions, limits.counts)
 
     def selection_indices(self, slots: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """int32 and contiguous, as the sparse MLA kernel reads them (converted once per group, not per layer)."""

@@ -101,6 +101,12 @@ def test_triton_indexer_topk_equals_torch_ops(kv_format: str, monkeypatch: pytes
     monkeypatch.setattr(triton_ops, "_SCORE_ELEMENTS", 7 * max(batch.context_lens_host))
     chunked = TritonAttentionOps(layout).indexer_topk(*args)
     assert torch.equal(chunked.positions, got.positions) and torch.equal(chunked.counts, got.counts)
+    # The rows' limits made at a step's first full layer serve the next ones (`StepContext.derived`).
+    derived: dict[str, object] = {}
+    for _ in range(2):
+        again = TritonAttentionOps(layout).indexer_topk(*args, derived)
+        assert torch.equal(again.positions, got.positions) and torch.equal(again.counts, got.counts)
+    assert set(derived) == {"indexer_rows"}
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
