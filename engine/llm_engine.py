@@ -311,9 +311,11 @@ class LLMEngine:
     def _continues(self, launch: _SpecLaunch) -> bool:
         """Whether the next step may be launched before `launch` is read: asynchronous scheduling on, nothing
         swapped, nothing waiting unless every sequence slot is taken (so nothing is admitted), `launch` verified
-        k drafts for every running request (the graph path's shape, all pages on the GPU, no prefill row), each
-        has room for k + 1 more tokens after `launch`'s (and replayed drafts enough output to replay), and free
-        pages cover everyone's next rows (so scheduling cannot preempt or demote)."""
+        k drafts for every running request (the graph path's shape, no prefill row), each has room for k + 1
+        more tokens after `launch`'s (and replayed drafts enough output to replay), free pages cover everyone's
+        next rows (so scheduling cannot preempt or demote), and a request with host-only pages has a hot lease
+        that already serves k + 1 rows a step, with no promotion planned (its pages would come from the free
+        ones the step counts on)."""
         k = self.num_speculative_tokens
         sched = self.scheduler
         if not self.config.async_scheduling or self.config.enforce_eager or sched.swapped:
@@ -324,10 +326,12 @@ class LLMEngine:
             return False
         if len(sched.running) * (k + 1) > sched.config.max_num_batched_tokens:
             return False
-        needed = 0
+        needed, leases = 0, self.kv.residency.hot if self.kv.residency is not None else None
         for s, drafts in zip(launch.completing, launch.num_drafts):
             req = s.request
-            if s.num_new_tokens != k + 1 or drafts != k or req.hot is not None:
+            if s.num_new_tokens != k + 1 or drafts != k:
+                return False
+            if req.hot is not None and (leases is None or not leases.serves(req, k + 1)):
                 return False
             replayed = self._replayed_drafts.get(req.request_id)
             if replayed is not None and len(replayed) < len(req.output_token_ids) + 1 + 2 * k:
@@ -336,7 +340,9 @@ class LLMEngine:
                     or self.max_model_len - req.num_tokens < k + 1):
                 return False
             needed += self.kv.pages_needed(req, req.num_computed_tokens + k + 1)
-        return needed <= self.kv.num_available
+        if needed > self.kv.num_available:
+            return False
+        return not any(r.hot is not None for r in sched.running) or not sched.policy.plan(sched).promote
 
     def _launch_speculative(self, out: SchedulerOutput, continues: bool) -> _SpecLaunch:
         """Launches `out` and counts it in its requests' state as if every draft were accepted."""

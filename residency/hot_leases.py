@@ -34,6 +34,18 @@ class HotLeases:
             return 1 << 30
         return max(1, rows // self.index_topk)
 
+    def pages_for(self, req: PagedRequest, rows: int) -> int:
+        """Pages the hot buffer of `req` takes for `rows` query rows per step (`size_for` fits it to them):
+        K slots a row, never more than its host-only tokens, never fewer than the configured lease."""
+        want_rows = min(rows * self.index_topk, self.host_only_tokens(req))
+        return max(self.pages_per_lease, -(-want_rows // PAGE_SIZE))
+
+    def serves(self, req: PagedRequest, rows: int) -> bool:
+        """Whether the lease of `req` as it is computes `rows` query rows a step and sizing it for them leaves
+        it as it is: a step scheduled before the one before it is read must get exactly those rows."""
+        return (req.hot is not None and self.rows_per_step(req) >= rows
+                and self.pages_for(req, rows) == len(req.hot.pages))
+
     def size_for(self, req: PagedRequest, rows: int, spare_pages: int) -> None:
         """Fits the hot buffer of a request with host-only pages to `rows` query rows per step: an
         extend grows it (with at most `spare_pages` free pages) so a turn's new tokens take few
@@ -41,8 +53,7 @@ class HotLeases:
         keep their rows, so the decode after an extend finds the rows it held before."""
         if req.hot is None:
             return
-        want_rows = min(rows * self.index_topk, self.host_only_tokens(req))
-        want = max(self.pages_per_lease, -(-want_rows // PAGE_SIZE))
+        want = self.pages_for(req, rows)
         have = list(req.hot.pages)
         if want > len(have):
             have += self.gpu_cache.allocate(min(want - len(have), max(spare_pages, 0)), PageUse.HOT)

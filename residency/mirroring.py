@@ -143,7 +143,11 @@ class Mirroring:
             idx_from += 1
         self._mirrored_prefix[req.request_id] = (mla_from, idx_from)
         for i in range(mla_from, completed):
-            if req.host_pages[i] is None and req.mla_pages[i] is not None:
+            # A page with a host copy still being written is finished by the rows that complete it
+            # (`mirror_step`), which may come a step after its hash is known: a continued speculative step
+            # counts the row of its last known token as computed before it is read.
+            if (req.host_pages[i] is None and req.mla_pages[i] is not None
+                    and (req.request_id, i) not in self._partial):
                 yield PageUse.MLA, i, req.mla_pages[i], req.page_hashes[i]
         per_idx = self.indexer_tokens_per_page // PAGE_SIZE
         for j in range(idx_from, completed_idx):

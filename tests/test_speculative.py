@@ -67,8 +67,17 @@ def test_replayed_drafts_accept_and_roll_back_exactly(tiny_dir: Path, reference:
                                                       pages: int | None, k: int) -> None:
     """Drafts right up to every fifth token: steps accept some drafts and reject the rest, under pressure
     too (k = 2 under pressure: the two-rank test); the tokens are the reference's and every rolled-back page
-    is released."""
+    is released. Under `hybrid`, steps of requests with host-only pages continue the step before them too
+    (their hot leases serve k + 1 rows a step as they are)."""
     engine = _engine(tiny_dir, k, policy, pages)
+    continued_with_host_pages = []
+    launch = engine.executor.launch_model
+
+    def watching(step):  # noqa: ANN001, ANN202
+        continued_with_host_pages.append(step.continues and bool(step.nonresident_tokens))
+        return launch(step)
+
+    engine.executor.launch_model = watching
     replay = [_corrupted(t, 5) for t in reference]
     assert run_checked(engine, PROMPTS, GREEDY, replay) == reference
     stats = engine.stats()
@@ -79,6 +88,7 @@ def test_replayed_drafts_accept_and_roll_back_exactly(tiny_dir: Path, reference:
         assert engine.num_continued_steps > engine.num_steps // 2
     elif policy == "hybrid":
         assert stats["pages_demoted"] > 0 and stats["hot_misses"] > 0
+        assert sum(continued_with_host_pages) > len(continued_with_host_pages) // 4
     elif policy == "offload":
         assert stats["swaps"] > 0
     elif policy == "preempt":
@@ -216,13 +226,15 @@ def test_draft_iterations_replay_the_resolve(tiny_dir: Path, reference: list[lis
 
 def test_split_ranks_draft_and_verify_like_one(tiny_dir: Path, reference: list[list[int]]) -> None:
     """Two ranks (gloo) under hybrid pressure: every rank verifies, drafts and rolls back alike (the ranks'
-    leases and LRU tables are checked after every step) and the tokens are one rank's."""
+    leases and LRU tables are checked after every step) and the tokens are one rank's; every host page is
+    released at the end (`run_checked`), those of pages completed by a continued step's first row too."""
     engine = make_engine(tiny_dir, num_speculative_tokens=2, num_gpu_pages=16, enable_prefix_cache=False,
                          tensor_parallel_size=2, hisparse=HiSparseConfig(policy="hybrid", host_pool_gib=0.05))
     try:
         assert run_checked(engine, PROMPTS, GREEDY, [_corrupted(t, 4) for t in reference]) == reference
         stats = engine.stats()
         assert stats["pages_demoted"] > 0 and 0 < stats["spec_decode_num_accepted_tokens"]
+        assert engine.num_continued_steps > 0  # mirrored rows and host copies of continued steps balance too
     finally:
         engine.shutdown()
 

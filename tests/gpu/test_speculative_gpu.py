@@ -58,8 +58,8 @@ def test_mtp_drafts_roll_back_under_pressure(tiny_dir: Path) -> None:
 @pytest.mark.parametrize("pressure", [False, True], ids=["resident", "hybrid-pressure"])
 def test_captured_speculative_steps_match_eager_ones(tiny_dir: Path, pressure: bool) -> None:
     """Verify-and-draft steps of decoding requests replay as CUDA graphs, those with host-only pages too
-    (their union resolve inside the graph): the eager speculative steps' tokens and acceptance, and a replay
-    never makes the host wait.
+    (their union resolve inside the graph, also when the step continues one not yet read): the eager
+    speculative steps' tokens and acceptance, and a replay never makes the host wait.
 
     Under pressure the weights are float32: a graph step pads every request to k + 1 rows while an eager step
     runs the drafts that fit the hot buffer, and bf16 GEMMs round differently with the row count, which flips
@@ -82,15 +82,15 @@ def test_captured_speculative_steps_match_eager_ones(tiny_dir: Path, pressure: b
             out = launch(key, step, residency)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        replayed.append(key)
+        replayed.append((key, step.continues))
         return out
 
     graphs.launch = checked
     assert eager_tokens == want
     assert run_checked(engine, _prompts(), _params(), replay) == want
     assert len(replayed) > 5
-    if pressure:
-        assert any(key.resolves for key in replayed)
+    if pressure:  # requests with host-only pages resolve in the graph, in continued steps too
+        assert any(key.resolves and continues for key, continues in replayed)
     else:  # resident: most steps were launched before the one they continue was read, corrected on the device
         assert engine.num_continued_steps > engine.num_steps // 2
     stats, eager_stats = engine.stats(), eager.stats()
