@@ -53,12 +53,6 @@ ROTATE_BYTES = 256 << 20  # weight copies per timed graph, well beyond the 50 MB
 log = run_log("fp8_gemm")
 
 
-
-
-
-
-
-
 def cfg_name(c: FP8GemmConfig) -> str:
     if c.gemv:
         return f"gemv n{c.block_n}k{c.gemv_block_k}w{c.num_warps}"

@@ -58,16 +58,8 @@ ROTATE_BYTES = 256 << 20  # inputs rotated per timed graph so repeated calls do 
 log = run_log("kernels_attention")
 
 
-
-
-
-
-
-
 def num_rotations(nbytes: int) -> int:
     return max(1, min(256, triton.cdiv(ROTATE_BYTES, nbytes)))
-
-
 
 
 def glm_layout(kv_format: str) -> KVLayout:

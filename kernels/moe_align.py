@@ -41,14 +41,12 @@ class MoEAlignment(NamedTuple):
     num_padded: torch.Tensor  # [1] int32 slots in use (a multiple of BLOCK_M)
 
 
-
 def moe_align_sizes(num_slots: int, num_experts: int, block_m: int) -> tuple[int, int]:
     """(max_padded, max_blocks) of `moe_align`: at most min(E, T*k) experts hold slots, each padded by at most
     block_m - 1, so max_padded = T*k + min(E, T*k) * (block_m - 1) rounded up to block_m."""
     busy = min(num_experts, num_slots)
     max_padded = triton.cdiv(num_slots + busy * (block_m - 1), block_m) * block_m
     return max_padded, max_padded // block_m
-
 
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
@@ -76,7 +74,6 @@ def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoE
     eob = torch.searchsorted(ends, blocks, right=True)
     eob = torch.where(blocks < num_padded, eob, torch.full_like(eob, -1)).to(torch.int32)
     return MoEAlignment(sorted_ids, eob, num_padded.reshape(1).to(torch.int32))
-
 
 
 @triton.jit
@@ -170,7 +167,6 @@ def _align_scatter_kernel(
                  mask=(p >= num_padded) & (p < max_padded))
     if c == 0:
         tl.store(npad_ptr, num_padded)
-
 
 
 @triton.jit(do_not_specialize=["num_slots", "max_padded", "max_blocks"])

@@ -562,7 +562,6 @@ def resolve_group_reference(topk_pos, counts, gpu_slot_of_page, host_page_of_pag
     return ResolveResult(kv_slots, num_served.int())
 
 
-
 def resolve_leases_reference(topk_pos, counts, gpu_slot_of_page, host_page_of_page,
                              leases: Sequence[LeaseState | None], step, group_offset, run_bytes, gpu_pool, host_pool,
                              out=None, page_size: int = PAGE_SIZE) -> ResolveResult:

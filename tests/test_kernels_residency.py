@@ -137,7 +137,6 @@ def test_resolve_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtyp
             assert torch.equal(g, w)
 
 
-
 @pytest.mark.parametrize("r_block", [1024, 32, 8])  # every buffer searched in registers; some (17, 24); none
 def test_resolve_leases_matches_twin(r_block, monkeypatch):
     """Requests whose hot buffers differ in size resolve in one launch on their own tables, those that fit one
