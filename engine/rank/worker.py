@@ -98,6 +98,8 @@ class Worker:
             load_weights(self.model, spec.model_dir, spec.dtype)
         self.model.prepare_drafting()
         self.model.eval()
+        if device.type == "cuda":  # the pool is sized from the free memory: return the loading's temporaries first
+            torch.cuda.empty_cache()
         # Triton sparse attention on GPUs; the PyTorch reference elsewhere.
         ops = TritonAttentionOps if device.type == "cuda" else TorchAttentionOps
         self.ops: AttentionOps = ops(self.layout)
