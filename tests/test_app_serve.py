@@ -36,7 +36,8 @@ def _tight_args(model_dir: Path) -> dict[str, Any]:
     args = tiny_args(model_dir)
     args["model_id"] = "glm-tiny-tight"
     args["prefill"]["num_replicas"] = 0
-    args["decode"].update(max_ongoing_requests=1, max_queued_requests=1, num_cpus=0.25)
+    # a drain of the deletion test's 400-token stream: about 10 s on an idle 2-core machine, 20 s under load
+    args["decode"].update(max_ongoing_requests=1, max_queued_requests=1, num_cpus=0.25, graceful_shutdown_timeout_s=60)
     args["api"]["api_key"] = TIGHT_KEY
     return args
 
