@@ -7,8 +7,10 @@ bench/step.py whose shapes and contexts this reuses. Two draft sources whose acc
 `mtp`, the MTP layer itself (random weights: nearly no draft accepted, the worst case), and `replay`,
 the output of the same engine's `mtp` run of the same prompts fed back as drafts (`LLMEngine.replay_drafts`:
 every draft the target agrees with is accepted, the best case). Tokens a step yields per request are
-measured (1 + accepted / verifying requests, from the engine's `spec_decode_*` counters), and the share of
-the timed steps that continued the step before them unread (`cont`, engine/llm_engine.py).
+measured (1 + accepted / verifying requests, from the engine's `spec_decode_*` counters), the share of
+the timed steps that continued the step before them unread (`cont`, engine/llm_engine.py), and the rows a step
+copied from host into hot buffers (`miss/st`: under `--policy hybrid` with a pool smaller than the batch's
+contexts, the pressured step this product exists for).
 
 The 78-layer step is built from GPU time (torch.profiler), which separates cleanly by depth: fixed +
 78 x per layer + tensor parallelism's communication, which one rank does not run: two all-reduces a layer
@@ -56,6 +58,7 @@ from engine.kv_layout import KVLayout  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
+from residency.config import HiSparseConfig  # noqa: E402
 from kernels import pdl  # noqa: E402
 
 logger = logging.getLogger("bench.spec_step")
@@ -67,6 +70,7 @@ class Measured:
     device_ms: float  # GPU kernel time of a step
     tokens_per_step: float  # tokens a step yields per verifying request (1 without drafts)
     continued: float  # share of the timed steps launched before the step they continue was read
+    misses: float  # rows a timed step copied from host into hot buffers (`--policy hybrid`: pages demoted)
 
 
 def _engine(model_dir: str, k: int, mode: str, pages: int, args: argparse.Namespace) -> LLMEngine:
@@ -74,7 +78,8 @@ def _engine(model_dir: str, k: int, mode: str, pages: int, args: argparse.Namesp
         model=model_dir, dtype="bfloat16", kv_dtype="fp8", device="cuda", num_gpu_pages=pages, random_weights=True,
         quantization="fp8", max_num_seqs=max(args.batches), max_num_batched_tokens=args.chunk,
         max_model_len=max(args.contexts) + 64 + args.tokens, enable_prefix_cache=True,
-        enforce_eager=mode == "eager", num_speculative_tokens=k))
+        enforce_eager=mode == "eager", num_speculative_tokens=k,
+        hisparse=HiSparseConfig(policy=args.policy, host_pool_gib=args.host_pool_gib)))
 
 
 def measure(engine: LLMEngine, prompts: list[list[int]], tokens: int, replay: list[list[int]] | None,
@@ -90,8 +95,10 @@ def measure(engine: LLMEngine, prompts: list[list[int]], tokens: int, replay: li
     for _ in range(warmup):
         engine.step()
     before, continued_before = dict(engine.spec_stats.as_dict()), engine.num_continued_steps
+    misses_before = engine.stats().get("hot_misses", 0)
     step_ms = wall_ms_per_step(engine, steps)
     after, continued = engine.spec_stats.as_dict(), engine.num_continued_steps - continued_before
+    misses = engine.stats().get("hot_misses", 0) - misses_before
     drafts = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
     device = device_ms_per_step(engine)
@@ -100,7 +107,7 @@ def measure(engine: LLMEngine, prompts: list[list[int]], tokens: int, replay: li
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.token_ids
-    return (Measured(step_ms, device, 1.0 + accepted / drafts if drafts else 1.0, continued / steps),
+    return (Measured(step_ms, device, 1.0 + accepted / drafts if drafts else 1.0, continued / steps, misses / steps),
             [outputs[r] for r in ids])
 
 
@@ -164,14 +171,14 @@ def derive(args: argparse.Namespace, k: int, batch: int, shallow_m: Measured, de
 
 def print_table(rows: list[dict]) -> None:
     k0 = {(r["pdl"], r["ctx"], r["B"]): r for r in rows if r["k"] == 0 and r["mode"] == "graph"}
-    print(f"\n{'k':>2} {'mode':6} {'pdl':3} {'source':7} {'ctx':>6} {'B':>4} {'tok/st':>6} {'cont':>4} {'dev/l':>7} "
+    print(f"\n{'k':>2} {'mode':6} {'pdl':3} {'source':7} {'ctx':>6} {'B':>4} {'tok/st':>6} {'cont':>4} {'miss/st':>7} {'dev/l':>7} "
           f"{'fixed':>6} "
           f"{'host':>6} {'step78':>7} {'timed78':>7} {'TPOT':>7} {'TPOT@a':>7} {'+host@a':>7} {'timed@a':>7} "
           f"{'x k0':>5} {'timed x k0':>10}")
     for r in rows:
         base = k0[(r["pdl"], r["ctx"], r["B"])]
         print(f"{r['k']:>2} {r['mode']:6} {r['pdl']:3} {r['source']:7} {r['ctx']:>6} {r['B']:>4} "
-              f"{r['tokens_per_step']:6.2f} {r['continued']:4.2f} "
+              f"{r['tokens_per_step']:6.2f} {r['continued']:4.2f} {r['misses']:7.0f} "
               f"{r['device_layer_ms']:7.3f} {r['device_fixed_ms']:6.2f} {r['host_ms']:6.2f} "
               f"{r['device_step78_ms']:7.2f} {r['timed_step78_ms']:7.2f} {r['tpot78_ms']:7.2f} "
               f"{r['tpot78_stated_ms']:7.2f} {r['wall_tpot78_stated_ms']:7.2f} {r['timed_tpot78_stated_ms']:7.2f} "
@@ -189,6 +196,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96, help="output tokens of each request")
     parser.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens of the prefill")
     parser.add_argument("--pool-gib", type=float, default=60.0, help="KV pool of the engine")
+    parser.add_argument("--policy", default="off", choices=["off", "hybrid"],
+                        help="residency under pressure: with `hybrid` and a pool smaller than the batch's contexts, "
+                             "admissions demote pages and steps resolve host-only rows through hot buffers")
+    parser.add_argument("--host-pool-gib", type=float, default=0.0, help="pinned host pool (`--policy hybrid`)")
     parser.add_argument("--allreduce-us", type=float, default=10.0, help="one TP8 all-reduce of a step's rows")
     parser.add_argument("--gather-gbs", type=float, default=300.0, help="NVLink bandwidth of the logits' gather")
     parser.add_argument("--acceptance", type=float, default=3.5,
@@ -214,7 +225,7 @@ def main() -> None:
                              in_fresh_process(run, args, k, mode, deep, pages, with_pdl))
         for (source, ctx, batch), deep_m in t_deep.items():
             row = dict(k=k, mode=mode, pdl=launch, source=source, ctx=ctx, B=batch,
-                       tokens_per_step=deep_m.tokens_per_step, continued=deep_m.continued,
+                       tokens_per_step=deep_m.tokens_per_step, continued=deep_m.continued, misses=deep_m.misses,
                        **derive(args, k, batch, t_shallow[(source, ctx, batch)], deep_m))
             rows.append(row)
             if args.out:
