@@ -326,12 +326,12 @@ class LLMEngine:
             return False
         if len(sched.running) * (k + 1) > sched.config.max_num_batched_tokens:
             return False
-        needed, leases = 0, self.kv.residency.hot if self.kv.residency is not None else None
+        needed = 0
         for s, drafts in zip(launch.completing, launch.num_drafts):
             req = s.request
             if s.num_new_tokens != k + 1 or drafts != k:
                 return False
-            if req.hot is not None and (leases is None or not leases.serves(req, k + 1)):
+            if req.hot is not None and not self.kv.residency.hot.serves(req, k + 1):  # a lease implies a host tier
                 return False
             replayed = self._replayed_drafts.get(req.request_id)
             if replayed is not None and len(replayed) < len(req.output_token_ids) + 1 + 2 * k:
