@@ -30,6 +30,7 @@ _TOTALS = {
     "prefix_cache_evictions": ("hisparse_prefix_cache_evictions", "Cached GPU pages evicted."),
     "hot_hits": ("hisparse_hot_hits", "Selected rows of non-resident pages found in the hot buffer."),
     "hot_misses": ("hisparse_hot_misses", "Selected rows loaded from host (one row run per miss)."),
+    "hot_unresolved": ("hisparse_hot_unresolved", "Selected host-only rows that found no hot slot (must stay 0)."),
     "rows_copied_h2d": ("hisparse_miss_rows", "Row runs copied host to device."),
     "bytes_h2d": ("hisparse_h2d_bytes", "Bytes copied host to device for misses."),
     "pages_mirrored": ("hisparse_pages_mirrored", "Pages mirrored to the host pool."),

@@ -21,6 +21,7 @@ hot-buffer LRU tables, keyed by request id, opened and closed here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from residency.config import HiSparseConfig
@@ -33,6 +34,8 @@ from residency.page_pool import PageUse
 from residency.prefix_cache import PrefixCache
 from residency.stats import ResidencyStats, ResolveCounts
 from residency.swapping import Swapping
+
+logger = logging.getLogger(__name__)
 
 
 class ResidencyManager:
@@ -130,6 +133,10 @@ class ResidencyManager:
         self.stats.hot_misses += counts.hot_misses
         self.stats.rows_copied_h2d += counts.hot_misses
         self.stats.bytes_h2d += counts.bytes_h2d
+        if counts.unresolved:  # the step's outputs are wrong for some request: a lease was sized too small
+            self.stats.hot_unresolved += counts.unresolved
+            logger.error("%d selected host-only rows found no hot slot this step (hot leases too small for "
+                         "the rows scheduled)", counts.unresolved)
 
     # --- release --------------------------------------------------------------------
 

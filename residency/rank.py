@@ -30,6 +30,8 @@ from residency.stats import ResolveCounts
 _UNION_PIECE = 4096
 # The dtypes of `HotTables`' stamps and reverse maps, which every lease table row points at.
 _STAMP_DTYPE, _MAP_DTYPE = torch.int64, torch.int32
+# The resolve tally's entries: host-only rows looked up, misses, miss bytes, rows left without a hot slot.
+TALLY_SIZE = 4
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,9 @@ class RankResidency:
         self.num_groups = len(group_offsets)
         self.group_offsets, self.group_run_bytes = tuple(group_offsets), tuple(group_run_bytes)
         self.tables: dict[str, HotTables] = {}
-        # [lookups of host-only rows, misses, miss bytes] since the last read; added to in place (by captured
-        # graphs too), read once per step
-        self._tally = torch.zeros(3, dtype=torch.long, device=pool.device)
+        # [lookups of host-only rows, misses, miss bytes, unresolved rows] since the last read; added to in
+        # place (by captured graphs too), read once per step
+        self._tally = torch.zeros(TALLY_SIZE, dtype=torch.long, device=pool.device)
         self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
         self._resolve = resolve.resolve_leases if pool.is_cuda else resolve.resolve_leases_reference
 
@@ -186,7 +188,7 @@ class RankResidency:
             copied += result.num_copied.sum()
         at = torch.searchsorted(union, positions.to(torch.int32).contiguous()).clamp(max=union.numel() - 1)
         slots.copy_(torch.where(valid, union_slots[at].clamp(min=0), slots))
-        self._count(group, valid.sum(), copied)
+        self._count(group, valid.sum(), copied, ((union < far) & (union_slots < 0)).sum())
 
     def lease_rows(self, specs: Sequence[NonResidentSpec | None]) -> tuple[list[list[LeaseState | None]], torch.Tensor]:
         """Each row's LRU tables per group (None for a row without host-only pages) and the same as a host
@@ -232,7 +234,7 @@ class RankResidency:
         host_only = valid & (gpu.repeat_interleave(m, dim=0).gather(1, page) < 0)
         if m == 1:
             result = self._resolve_leases(decode, group, positions.to(torch.int32), lens.to(torch.int32))
-            self._count(group, host_only.sum(), result.num_copied.sum())
+            self._count(group, host_only.sum(), result.num_copied.sum(), (valid & (result.kv_slots < 0)).sum())
             return result.kv_slots.long().clamp(min=0)
         width = positions.shape[1]
         far = torch.iinfo(torch.int32).max  # sorts after every position
@@ -250,7 +252,7 @@ class RankResidency:
             union_slots[:, begin : begin + width] = result.kv_slots.long()
             copied += result.num_copied.sum()
         at = torch.searchsorted(union, per_lease.contiguous()).clamp(max=m * width - 1)
-        self._count(group, host_only.sum(), copied)
+        self._count(group, host_only.sum(), copied, ((union < far) & (union_slots < 0)).sum())
         return union_slots.gather(1, at).view(-1, width).clamp(min=0)
 
     def _resolve_leases(self, decode: DecodeLeases, group: int, positions: torch.Tensor, lens: torch.Tensor
@@ -262,12 +264,15 @@ class RankResidency:
             return resolve.resolve_lease_table(*args, decode.lease_table[group], _STAMP_DTYPE, _MAP_DTYPE, *tail)
         return resolve.resolve_leases_reference(*args, decode.leases[group], *tail)
 
-    def _count(self, group: int, lookups: torch.Tensor, misses: torch.Tensor) -> None:
-        """Adds a resolve's counts on the device: they are read once per step, not once per resolve."""
-        self._tally += torch.stack([lookups.long(), misses.long(), misses.long() * self.group_run_bytes[group]])
+    def _count(self, group: int, lookups: torch.Tensor, misses: torch.Tensor, unresolved: torch.Tensor) -> None:
+        """Adds a resolve's counts on the device: they are read once per step, not once per resolve.
+        `unresolved`: selected host-only positions that found no hot slot (every slot already used by the
+        step: its rows' union outgrew the lease the scheduler sized), which read a wrong row."""
+        self._tally += torch.stack([lookups.long(), misses.long(), misses.long() * self.group_run_bytes[group],
+                                    unresolved.long()])
 
     def counts_into(self, host: torch.Tensor) -> torch.Tensor:
-        """Queues a copy of the counts since the last call into `host` [3] (pinned: the host need not wait
+        """Queues a copy of the counts since the last call into `host` [TALLY_SIZE] (pinned: the host need not wait
         for it now) and restarts them; read `host` with `counts_of` once the copy is done."""
         host.copy_(self._tally, non_blocking=True)
         self._tally.zero_()
@@ -275,6 +280,6 @@ class RankResidency:
 
 
 def counts_of(tally: list[int]) -> ResolveCounts:
-    """`ResolveCounts` from a tally [lookups of host-only rows, misses, miss bytes]."""
-    lookups, misses, miss_bytes = tally
-    return ResolveCounts(lookups - misses, misses, miss_bytes)
+    """`ResolveCounts` from a tally [lookups of host-only rows, misses, miss bytes, unresolved rows]."""
+    lookups, misses, miss_bytes, unresolved = tally
+    return ResolveCounts(lookups - misses - unresolved, misses, miss_bytes, unresolved)

@@ -16,11 +16,11 @@ class ResolveCounts:
     hot_hits: int = 0
     hot_misses: int = 0  # one miss = one token's run of one IndexShare group copied host -> hot slot
     bytes_h2d: int = 0
+    unresolved: int = 0  # selected host-only rows that found no hot slot (a lease sized too small: a bug)
 
     def __add__(self, other: ResolveCounts) -> ResolveCounts:
-        return ResolveCounts(
-            self.hot_hits + other.hot_hits, self.hot_misses + other.hot_misses, self.bytes_h2d + other.bytes_h2d
-        )
+        return ResolveCounts(self.hot_hits + other.hot_hits, self.hot_misses + other.hot_misses,
+                             self.bytes_h2d + other.bytes_h2d, self.unresolved + other.unresolved)
 
 
 @dataclass
@@ -33,6 +33,7 @@ class ResidencyStats:
     pages_swapped_in: int = 0
     hot_hits: int = 0
     hot_misses: int = 0
+    hot_unresolved: int = 0  # selected host-only rows that found no hot slot and read a wrong row
     rows_copied_h2d: int = 0
     bytes_h2d: int = 0
     mirror_skipped_host_full: int = 0

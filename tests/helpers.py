@@ -165,4 +165,5 @@ def run_checked(engine: LLMEngine, prompts: list[list[int]], params: list[Sampli
     assert_pages_released(engine)
     if engine.residency is not None:
         assert engine.residency.host.num_in_use() == 0
+        assert engine.stats()["hot_unresolved"] == 0, "selected host-only rows read without a hot slot"
     return [tokens[rid] for rid in ids]

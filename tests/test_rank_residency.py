@@ -14,7 +14,7 @@ import torch
 from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
 from residency import rank as rank_residency
-from residency.rank import NonResidentSpec, RankResidency, counts_of
+from residency.rank import TALLY_SIZE, NonResidentSpec, RankResidency, counts_of
 from residency.stats import ResolveCounts
 
 PAGE = 64
@@ -26,7 +26,7 @@ def _rank_residency(layout: KVLayout, pool: torch.Tensor, host: torch.Tensor) ->
 
 def _take_counts(residency: RankResidency) -> ResolveCounts:
     """The resolve counts since the last read, as a step reads them."""
-    return counts_of(residency.counts_into(torch.empty(3, dtype=torch.long)).tolist())
+    return counts_of(residency.counts_into(torch.empty(TALLY_SIZE, dtype=torch.long)).tolist())
 
 
 def group_runs(pool: torch.Tensor, layout: KVLayout, group: int) -> torch.Tensor:

@@ -339,3 +339,26 @@ def test_buffered_steps_resolve_host_only_pages_as_one_union(tiny_dir: Path, ref
     runs = engine.executor.worker.spec_graphs.steps_run
     assert sum(n for key, n in runs.items() if key.resolves) > 5
     assert engine.stats()["hot_misses"] > 0
+
+
+def test_padding_rows_of_cut_drafts_stay_inside_the_hot_lease(tiny_dir: Path) -> None:
+    """A hot lease that serves fewer than k + 1 rows a step cuts its request's drafts, and the buffered step
+    pads that request with rows repeating its last one, token and position: they select the last row's top-K,
+    so the union the request resolves stays within its lease. Padding rows of another token selected other
+    positions, the union outgrew the lease and real rows read slots that held other tokens (four requests
+    in 19 pages: changed tokens; `hot_unresolved`, which `run_checked` asserts to be 0, counts such rows)."""
+    prompts = [_prompt(n, 11 + n) for n in (260, 250, 240, 230)]
+    params = [greedy(48)] * len(prompts)
+    want = run_checked(_engine(tiny_dir, 0, "hybrid", 19), prompts, params)
+    engine = _engine(tiny_dir, 3, "hybrid", 19)
+    cut = []
+    launch = engine.executor.launch_model
+
+    def watching(step):  # noqa: ANN001, ANN202
+        cut.append(bool(step.nonresident_tokens) and step.draft is not None and bool((step.draft.num_drafts < 3).any()))
+        return launch(step)
+
+    engine.executor.launch_model = watching
+    assert run_checked(engine, prompts, params, [t[:5] + [(t[5] + 1) % 380] + t[6:] for t in want]) == want
+    runs = engine.executor.worker.spec_graphs.steps_run
+    assert any(cut) and sum(n for key, n in runs.items() if key.resolves) > 5

@@ -3,8 +3,10 @@
 A verifying step whose requests all decode (each brings its last known token and its drafts, every row
 sampled) runs like a decode step (engine/rank/decode_graphs.py) through fixed views of buffers this rank
 allocates once. Each request takes exactly k + 1 rows: drafts
-it lacks (near its `max_tokens`) become padding rows that repeat its last row's position, write to the
-scratch page and are never accepted (`DraftInput.num_drafts` masks them). Requests are padded to the
+it lacks (near its `max_tokens`, or beyond what its hot lease serves) become padding rows that repeat its
+last row, token and position, write to the scratch page and are never accepted (`DraftInput.num_drafts`
+masks them). Repeating the token matters under pressure: a padding row then selects exactly the last row's
+top-K, so the union its request resolves stays within the rows the scheduler sized the hot lease for. Requests are padded to the
 next batch size, page tables to the next width. The whole verify-and-draft step
 (engine/rank/speculative.py: the target forward, sampling, acceptance, the MTP layer's k passes) is one
 graph per `SpecGraphKey`; the step's real rows are gathered from its outputs afterwards, in the eager
@@ -167,7 +169,9 @@ class SpecGraphs:
         starts, counts = ranges[:, 0], ranges[:, 1] - ranges[:, 0]
         # each of the step's rows: its padded row (request b's rows from b * per on)
         real = np.repeat(np.arange(n) * per - starts, counts) + np.arange(int(counts.sum()))
-        last = np.zeros(key.requests, dtype=np.int64)  # each request's last position (padding: 0)
+        # Each request's last row (padding requests: token 0 at position 0), which its padding rows repeat.
+        last_ids, last = np.zeros(key.requests, dtype=np.int64), np.zeros(key.requests, dtype=np.int64)
+        last_ids[:n] = step.input_ids.numpy()[starts + counts - 1]
         last[:n] = step.positions.numpy()[starts + counts - 1]
 
         def spread(values: torch.Tensor, fill: np.ndarray) -> np.ndarray:
@@ -177,7 +181,7 @@ class SpecGraphs:
 
         buffers.begin()
         put = buffers.put
-        put("input_ids", (rows,), 0, spread(step.input_ids, np.zeros(rows, dtype=np.int64)))
+        put("input_ids", (rows,), 0, spread(step.input_ids, np.repeat(last_ids, per)))
         put("positions", (rows,), 0, spread(step.positions, np.repeat(last, per)))
         put("next_ids", (rows,), -1)  # every row samples: the MTP layer reads each one's sampled token
         padded = np.arange(rows)

@@ -39,7 +39,7 @@ from engine.sampler import SamplingBatch, sample
 from engine.tp.tensor_parallel import TensorParallel
 from engine.triton_ops import TritonAttentionOps
 from engine.weights import load_weights, random_init
-from residency.rank import RankResidency, counts_of
+from residency.rank import TALLY_SIZE, RankResidency, counts_of
 from residency.stats import ResolveCounts
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class _Staging:
     """Pinned host buffers one step's results are copied into."""
 
     tokens: torch.Tensor  # [max rows] int64
-    counts: torch.Tensor  # [3] int64 resolve tally
+    counts: torch.Tensor  # [TALLY_SIZE] int64 resolve tally
 
 
 class LaunchedStep:
@@ -115,7 +115,7 @@ class Worker:
         results = rows * (2 * spec.num_speculative_tokens + 2)
         # Two sets: a step's results are read after the next step is queued, before the one after.
         self._staging = [_Staging(torch.zeros(results, dtype=torch.long, pin_memory=pin),
-                                  torch.zeros(3, dtype=torch.long, pin_memory=pin)) for _ in range(2)]
+                                  torch.zeros(TALLY_SIZE, dtype=torch.long, pin_memory=pin)) for _ in range(2)]
         self.num_launched = 0
         self._spec_graph_launch = -1  # `num_launched` at the last speculative step run through the graphs' buffers
         self.page_tables = PageTableStore()  # the last step's page table rows (engine/page_tables.py)
