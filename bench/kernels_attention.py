@@ -11,7 +11,8 @@ runs under CUDA graphs too), achieved GB/s
 copy bandwidth measured in the same run (device-to-device copy, bytes read plus
 written), and the speed-up over the PyTorch twin (triton.testing.do_bench, L2 flushed) where
 the twin fits in memory; for the indexer also scoring plus the top-K kernel (`kernels.topk`).
-A few tile configurations are tried at B=64 and the best is used for all B.
+A few tile configurations are tried at B=64 and the best is used for all B; the
+defaults (`SparseMLAConfig.for_problem`, chosen by the number of rows) are timed beside it.
 Prints a table last and writes it, with the full log, under $OUT (or bench/out).
 
     python bench/kernels_attention.py
@@ -143,11 +144,14 @@ def run_mla_format(kv_format: str, hbm: float, rows_out: list) -> None:
                 best = _pick(label, [best] + [dataclasses.replace(best, waves=v) for v in (1, 4, 8)],
                              lambda c: bench_graph(calls(c)))
             ms = bench_graph(calls(best))
+            default_ms = bench_graph(calls(None))
             twin_ms = bench(lambda: sparse_mla_ref(q, view, slots[0], lens, **kw), rep=30)
             gbs = nbytes / ms / 1e6
             rows_out.append(dict(kernel="sparse_mla", fmt=kv_format, heads=heads, B=b, ctx=f"K={TOPK}",
                                  MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin_ms / ms,
-                                 cfg=_cfg_name(best)))
+                                 cfg=_cfg_name(best), default_us=default_ms * 1e3,
+                                 default_hbm=nbytes / default_ms / 1e6 / hbm,
+                                 default_cfg=_cfg_name(SparseMLAConfig.for_problem(heads, kv_format, b))))
             log(fmt_row(_cells(rows_out[-1])))
 
 
@@ -205,14 +209,17 @@ def run_indexer_format(kv_format: str, hbm: float, rows_out: list) -> bool:
 
 
 HEADER = ["kernel", "rows", "heads", "B", "K / ctx", "MB read", "time us", "GB/s", "of HBM copy",
-          "x twin", "tiles", "+topk us"]
+          "x twin", "tiles", "+topk us", "defaults us (of HBM copy)"]
 
 
 def _cells(r: dict) -> list:
     twin = r["twin"] if isinstance(r["twin"], str) else f"{r['twin']:.1f}x"
     topk = f"{r['topk_us']:.0f}" if "topk_us" in r else "-"
+    default = "-"
+    if "default_us" in r:
+        default = f"{r['default_us']:.1f} ({100 * r['default_hbm']:.0f}%, {r['default_cfg']})"
     return [r["kernel"], r["fmt"], r["heads"], r["B"], r["ctx"], f"{r['MB']:.1f}", f"{r['us']:.1f}",
-            f"{r['gbs']:.0f}", f"{100 * r['hbm']:.0f}%", twin, r["cfg"], topk]
+            f"{r['gbs']:.0f}", f"{100 * r['hbm']:.0f}%", twin, r["cfg"], topk, default]
 
 
 def main() -> int:
