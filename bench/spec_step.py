@@ -211,6 +211,10 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, default=None, help="folder for a kernel table per profiled batch size")
     parser.add_argument("--profile-batches", type=int, nargs="+", default=[1])
     args = parser.parse_args()
+    # the warm-up, timed and profiled steps (3 + 10 + 3) must not finish a request: their outputs are not kept
+    if args.tokens <= 16 * (max(args.drafts) + 1):
+        parser.error(f"--tokens must exceed {16 * (max(args.drafts) + 1)}: requests that accept every draft "
+                     "would finish inside the timed steps")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(f"HBM copy {hbm_copy_gbs():.0f} GB/s", flush=True)
     shallow, deep = args.depths
