@@ -232,9 +232,9 @@ class RankResidency:
         valid = torch.arange(positions.shape[1], device=gpu.device)[None, :] < lens[:, None]
         page = torch.where(valid, positions, 0).long() // PAGE_SIZE
         host_only = valid & (gpu.repeat_interleave(m, dim=0).gather(1, page) < 0)
-        if m == 1:
+        if m == 1:  # a lease holds at least K slots, so one row's selection always finds them: nothing unresolved
             result = self._resolve_leases(decode, group, positions.to(torch.int32), lens.to(torch.int32))
-            self._count(group, host_only.sum(), result.num_copied.sum(), (valid & (result.kv_slots < 0)).sum())
+            self._count(group, host_only.sum(), result.num_copied.sum())
             return result.kv_slots.long().clamp(min=0)
         width = positions.shape[1]
         far = torch.iinfo(torch.int32).max  # sorts after every position
@@ -264,12 +264,17 @@ class RankResidency:
             return resolve.resolve_lease_table(*args, decode.lease_table[group], _STAMP_DTYPE, _MAP_DTYPE, *tail)
         return resolve.resolve_leases_reference(*args, decode.leases[group], *tail)
 
-    def _count(self, group: int, lookups: torch.Tensor, misses: torch.Tensor, unresolved: torch.Tensor) -> None:
+    def _count(self, group: int, lookups: torch.Tensor, misses: torch.Tensor,
+               unresolved: torch.Tensor | None = None) -> None:
         """Adds a resolve's counts on the device: they are read once per step, not once per resolve.
         `unresolved`: selected host-only positions that found no hot slot (every slot already used by the
-        step: its rows' union outgrew the lease the scheduler sized), which read a wrong row."""
-        self._tally += torch.stack([lookups.long(), misses.long(), misses.long() * self.group_run_bytes[group],
-                                    unresolved.long()])
+        step: its rows' union outgrew the lease the scheduler sized), which read a wrong row; counted where
+        several rows resolve as one union, the only way a lease can run short."""
+        counts = [lookups.long(), misses.long(), misses.long() * self.group_run_bytes[group]]
+        if unresolved is None:
+            self._tally[:3] += torch.stack(counts)
+        else:
+            self._tally += torch.stack([*counts, unresolved.long()])
 
     def counts_into(self, host: torch.Tensor) -> torch.Tensor:
         """Queues a copy of the counts since the last call into `host` [TALLY_SIZE] (pinned: the host need not wait
