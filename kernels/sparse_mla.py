@@ -54,7 +54,7 @@ class SparseMLAConfig:
     def for_problem(cls, num_heads: int, kv_format: str, num_rows: int = 1) -> "SparseMLAConfig":
         """Best measured tiles on an H200 (bench/RESULTS.md) for this head count, row format and number of
         query rows. FP8 rows at a few heads: from 8 rows on, 32-row tiles of four warps with the next tile
-        loaded into registers (0.85x the time of 64-row tiles at B = 32 and 64, 0.81x at B = 128 with 8 waves);
+        loaded into registers (0.85-0.86x the time of 64-row tiles at B = 32 and 64, 0.82x at B = 128 with 8 waves);
         below, 64-row tiles (12.5 against 13.5 us at B = 1)."""
         if num_heads > 16 and kv_format == "fp8":
             return cls(block_h=64, block_k=32, num_warps=8, num_stages=2, waves=4)

@@ -2,12 +2,12 @@
 
 A verifying step whose requests all decode (each brings its last known token and its drafts, every row
 sampled) runs like a decode step (engine/rank/decode_graphs.py) through fixed views of buffers this rank
-allocates once. Each request takes exactly k + 1 rows: drafts
-it lacks (near its `max_tokens`, or beyond what its hot lease serves) become padding rows that repeat its
-last row, token and position, write to the scratch page and are never accepted (`DraftInput.num_drafts`
-masks them). Repeating the token matters under pressure: a padding row then selects exactly the last row's
-top-K, so the union its request resolves stays within the rows the scheduler sized the hot lease for. Requests are padded to the
-next batch size, page tables to the next width. The whole verify-and-draft step
+allocates once. Each request takes exactly k + 1 rows: drafts it lacks (near its `max_tokens`, or beyond
+what its hot lease serves) become padding rows that repeat its last row, token and position, write to the
+scratch page and are never accepted (`DraftInput.num_drafts` masks them). Repeating the token matters under
+pressure: a padding row then selects exactly the last row's top-K, so the union its request resolves stays
+within the rows the scheduler sized the hot lease for. Requests are padded to the next batch size, page
+tables to the next width. The whole verify-and-draft step
 (engine/rank/speculative.py: the target forward, sampling, acceptance, the MTP layer's k passes) is one
 graph per `SpecGraphKey`; the step's real rows are gathered from its outputs afterwards, in the eager
 step's order. When some request has host-only pages the residency resolve runs inside the graph too, each
