@@ -271,8 +271,8 @@ class RankResidency:
         step: its rows' union outgrew the lease the scheduler sized), which read a wrong row; counted where
         several rows resolve as one union, the only way a lease can run short."""
         counts = [lookups.long(), misses.long(), misses.long() * self.group_run_bytes[group]]
-        if unresolved is None:
-            self._tally[:3] += torch.stack(counts)
+        if unresolved is None:  # the tally's last entry stays as it is
+            self._tally[: len(counts)] += torch.stack(counts)
         else:
             self._tally += torch.stack([*counts, unresolved.long()])
 
