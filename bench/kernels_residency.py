@@ -36,6 +36,8 @@ TOP_K = 2048
 HOT_ROWS = 4096
 CTX = 32768
 GIB = 1 << 30
+# the resolve plan's victim search forms timed side by side: (probes a round, first round near the smallest key)
+SEARCH_FORMS = [(1, False), (1, True), (2, True), (3, False), (3, True)]
 SLEEP_CYCLES = 4_000_000  # about 2 ms at 1.98 GHz: longer than any eager enqueue below
 
 
@@ -331,11 +333,23 @@ def bench_plan_graph(layout, gpu_pool, host_pool, log) -> list[dict]:
         # kernels) every call; the engine builds its table on the host and moves it in one copy.
         topk_pos, counts, gpu_pages, host_pages, hot, held, stamp, rmap, step_t = args[:9]
         table, step_s = resolve._stacked_lease_table(hot, held, stamp, rmap), step_t.to(stamp.dtype)
-        us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table, stamp.dtype,
-                                                   rmap.dtype, step_s, gpu_pool, None, resolve.PAGE_SIZE, 8),
-                      20, setup=reset) * 1e3
-        rows.append(dict(what="plan kernel (table built once)", miss_rate=rate, warps=8, us=us))
-        log(f"  graph plan kernel B=100 miss={rate:.0%}: {us:.2f} us")
+        # the victim search's probe rules side by side (probes a round, first round near the smallest key),
+        # the default last
+        default = (resolve._SEARCH_WAYS, resolve._SEARCH_GALLOP)
+        for ways, gallop in [f for f in SEARCH_FORMS if f != default] + [default]:
+            resolve._SEARCH_WAYS, resolve._SEARCH_GALLOP = ways, gallop
+            us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table, stamp.dtype,
+                                                       rmap.dtype, step_s, gpu_pool, None, resolve.PAGE_SIZE, 8),
+                          20, setup=reset) * 1e3
+            form = f"{ways} probe{'s' if ways > 1 else ''} a round{', first near the smallest key' if gallop else ''}"
+            rows.append(dict(what=f"plan kernel (table built once; {form})", miss_rate=rate, warps=8, us=us))
+            log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}): {us:.2f} us")
+        for warps in (4, 16):  # the default form at other widths
+            us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table, stamp.dtype,
+                                                       rmap.dtype, step_s, gpu_pool, None, resolve.PAGE_SIZE, warps),
+                          20, setup=reset) * 1e3
+            rows.append(dict(what=f"plan kernel (table built once; {form})", miss_rate=rate, warps=warps, us=us))
+            log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}, {warps} warps): {us:.2f} us")
         us = graph_ms(lambda: resolve.resolve_group(*args), 20, setup=reset) * 1e3
         rows.append(dict(what="plan+copy", miss_rate=rate, warps=8, us=us))
         log(f"  graph plan+copy B=100 miss={rate:.0%}: {us:.2f} us")

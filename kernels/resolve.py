@@ -18,8 +18,10 @@ step that calls them can be captured in a CUDA graph:
 
 1. plan (one program per request): classify the K positions, detect hits by
    gathering the reverse map `pos_to_hot`, pick victims with a threshold search
-   on the per-slot stamps plus prefix-sum compaction, update the LRU state in
-   place and write a compacted list of (host slot, hot slot) copies;
+   on the per-slot stamps (a few probes a round, their counts in one packed
+   sum, the first round just above the oldest stamp) plus one prefix-sum
+   compaction, update the LRU state in place and write a compacted list of
+   (host slot, hot slot) copies;
 2. copy (a persistent grid over every miss of the batch): each program maps
    global miss numbers to (request, miss) with a prefix sum over the per-request
    counts and moves whole runs, reading the pinned host tensor directly (UVA).
@@ -34,7 +36,7 @@ a new shape never stalls a serving step on a compile.
 
 Caller guarantees: positions are unique within a row; the newest token's page
 is resident; `R >= count` (hot_rows >= top-K); step numbers grow from call to
-call and stay below 2**60. If a row still has more misses than victims (slots
+call and stay below 2**60; a hot buffer has fewer than 2**21 slots. If a row still has more misses than victims (slots
 not used this step), the extra misses resolve to -1 and copy nothing. Entries
 past `count` are -1.
 
@@ -43,9 +45,9 @@ past `count` are -1.
 for the group's shared layers). They and `resolve_leases` are the Triton path
 (CUDA, or CPU under TRITON_INTERPRET=1); `resolve_group_reference` and
 `resolve_leases_reference` are the plain PyTorch twins with the same signatures
-and the same effects, byte for byte. H200 numbers: bench/RESULTS.md (plan
-8.4 us at B=100 without misses in a CUDA graph; miss copy 85-100% of the UVA
-gather ceiling from about 1.7 MB per launch).
+and the same effects, byte for byte. H200 numbers: bench/RESULTS.md (plan at
+B=100 in a CUDA graph 6.6 us without misses, 14.1 us at 1 %; miss copy 85-100%
+of the UVA gather ceiling from about 1.7 MB per launch).
 """
 
 from __future__ import annotations
@@ -63,9 +65,17 @@ from kernels import pdl
 PAGE_SIZE = 64
 _COPY_RUNS_PER_PROGRAM = 4
 _COPY_PROGRAMS_PER_SM = 8
-# Threshold probes per round of the victim search: binary search. H200, B = 100, 1 % misses, CUDA graph: 1, 2,
-# 4 and 8 probes a round all take 30.6-32.4 us with 1,024-slot chunks (bench/RESULTS.md, 2026-12-01).
-_SEARCH_WAYS = 1
+# Threshold probes per round of the victim search (at most 3: their counts share one int64 sum, _FIELD_BITS each).
+# H200, B = 100, 1 % misses, CUDA graph, with the first round near the smallest key: 3 probes 14.1-14.3 us against
+# binary search's 15.4-15.7 (bench/RESULTS.md, 2026-12-01, tenth session).
+_SEARCH_WAYS = 3
+# First round of the victim search probes lo + 4**w - 1 (w < ways: lo itself first) instead of even splits: a
+# step's victims are the oldest few slots, so the threshold sits at or just above the smallest key (empty slots
+# are all -1; a lease's first fill stamps thousands of slots alike), where even splits take log2 of the span.
+_SEARCH_GALLOP = True
+_FIELD_BITS: tl.constexpr = tl.constexpr(21)  # one probe's count in the packed sum
+_FIELD_MASK: tl.constexpr = tl.constexpr((1 << 21) - 1)
+_MAX_HOT_SLOTS = 1 << 21
 # Hot slots per chunk of the victim search: one compiled plan for any hot buffer size; the default buffer
 # (2 x top-K = 4,096 slots) in one chunk: 23 us at 1 % misses against 26 (2,048) and 31 (1,024).
 _R_BLOCK = 4096
@@ -114,59 +124,90 @@ def _lease_rows(lease, STAMP64: tl.constexpr, MAP16: tl.constexpr):
 
 @triton.jit
 def _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK: tl.constexpr):
-    """Slots r0..r0+R_BLOCK: their LRU key (-1 when empty, else last use) and whether they may be
-    victims (not used this step)."""
+    """Slots r0..r0+R_BLOCK: their positions, their LRU key (-1 when empty, else last use) and whether they
+    may be victims (not used this step)."""
     offs_r = r0 + tl.arange(0, R_BLOCK)
     rmask = offs_r < R
     held = tl.load(held_row + offs_r, mask=rmask, other=-1)
     key = tl.where(held < 0, -1, tl.load(stamp_row + offs_r, mask=rmask, other=0))
-    return offs_r, key, rmask & (key < step)
+    return offs_r, held, key, rmask & (key < step)
+
+
+@triton.jit
+def _bounds_combine(n0, lo0, hi0, n1, lo1, hi1):
+    return n0 + n1, tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
 
 
 @triton.jit
 def _bounds(key, cand, step):
-    """(candidates, smallest candidate key, largest) of a run of slots."""
-    return (tl.sum(cand.to(tl.int32), 0), tl.min(tl.where(cand, key, step), 0),
-            tl.max(tl.where(cand, key, -2), 0))
+    """(candidates, smallest candidate key, largest) of a run of slots, in one reduction."""
+    return tl.reduce((cand.to(tl.int32), tl.where(cand, key, step), tl.where(cand, key, -2)), 0, _bounds_combine)
 
 
 @triton.jit
-def _probes(lo, hi, ways, WAYS: tl.constexpr):
-    """WAYS thresholds splitting [lo, hi) evenly."""
-    return lo + ((hi - lo).to(tl.int64) * (ways + 1) // (WAYS + 1)).to(lo.dtype)
+def _probe(lo, hi, gallop, w: tl.constexpr, WAYS: tl.constexpr):
+    """Threshold w of a search round, in [lo, hi): lo + 4**w - 1 in the first round (`gallop`), else the w-th of
+    WAYS even splits."""
+    even = lo + ((hi - lo).to(tl.int64) * (w + 1) // (WAYS + 1)).to(lo.dtype)
+    near = lo + tl.minimum(hi - 1 - lo, (1 << (2 * w)) - 1)
+    return tl.where(gallop, near, even)
 
 
 @triton.jit
-def _count_at_or_below(key, cand, probe):
-    """Candidates with key <= each probe."""
-    return tl.sum((cand[:, None] & (key[:, None] <= probe[None, :])).to(tl.int32), 0)
+def _count_at_or_below(key, cand, lo, hi, gallop, WAYS: tl.constexpr):
+    """Candidates with key <= each of the round's WAYS probes, in one sum: probe w's count in bits
+    [FIELD * w, FIELD * (w + 1)) of an int64."""
+    packed = tl.zeros(key.shape, tl.int64)
+    for w in tl.static_range(WAYS):
+        at_or_below = cand & (key <= _probe(lo, hi, gallop, w, WAYS))
+        packed += at_or_below.to(tl.int64) << (_FIELD_BITS * w)
+    return tl.sum(packed, 0)
 
 
 @triton.jit
-def _narrow(lo, hi, probe, enough):
-    """The search range after one round: up to the lowest probe with enough candidates at or below it."""
-    return tl.max(tl.where(enough, lo, probe + 1), 0), tl.min(tl.where(enough, probe, hi), 0)
+def _narrow(lo, hi, below, gallop, counts, num_miss, WAYS: tl.constexpr):
+    """The range after one round: above the highest probe with fewer than `num_miss` candidates at or below it,
+    up to the lowest probe with enough; and `below`, the candidates under the new lo (that probe's count)."""
+    new_lo, new_hi, new_below = lo, hi, below
+    for w in tl.static_range(WAYS):
+        probe = _probe(lo, hi, gallop, w, WAYS)
+        count = ((counts >> (_FIELD_BITS * w)) & _FIELD_MASK).to(tl.int32)
+        enough = count >= num_miss
+        new_lo = tl.where(enough, new_lo, tl.maximum(new_lo, probe + 1))
+        new_below = tl.where(enough, new_below, tl.maximum(new_below, count))
+        new_hi = tl.where(enough, tl.minimum(new_hi, probe), new_hi)
+    return new_lo, new_hi, new_below
 
 
 @triton.jit
-def _pick_victims(key, cand, offs_r, lo, at_quota, num_at, num_victims, num_served, victims):
-    """Writes the run's victims (keys below the threshold `lo`, and keys equal to it by slot index while fewer
-    than `at_quota` of those have been taken, `num_at` in earlier runs) after the `num_victims` found before;
-    returns the updated counts."""
+def _pick_victims(key, cand, offs_r, held, hot, lo, at_quota, num_below, num_at, num_served, victims,
+                  victims_old, victims_hot):
+    """Writes the run's victims (keys below the threshold `lo`, and keys equal to it by slot index while at most
+    `at_quota` of those are taken; `num_below` and `num_at` of each in earlier runs): each victim's slot, the
+    position it held and its physical hot slot, so the misses read all three in one round; returns the updated
+    counts."""
+    below = cand & (key < lo)
     at = cand & (key == lo)
-    at_rank = num_at + tl.cumsum(at.to(tl.int32), 0) - 1
-    victim = (cand & (key < lo)) | (at & (at_rank < at_quota))
-    victim_rank = num_victims + tl.cumsum(victim.to(tl.int32), 0) - 1
-    tl.store(victims + victim_rank, offs_r, mask=victim & (victim_rank < num_served))
-    return num_at + tl.sum(at.to(tl.int32), 0), num_victims + tl.sum(victim.to(tl.int32), 0)
+    # one scan ranks both: keys below the threshold counted in the low 16 bits, keys at it above (a run has
+    # fewer than 2**16 slots)
+    scan = tl.cumsum(below.to(tl.int32) + (at.to(tl.int32) << 16), 0)
+    at_upto = num_at + (scan >> 16)
+    victim = below | (at & (at_upto <= at_quota))
+    victim_rank = num_below + (scan & 0xFFFF) + tl.minimum(at_upto, at_quota) - 1
+    take = victim & (victim_rank < num_served)
+    tl.store(victims + victim_rank, offs_r, mask=take)
+    tl.store(victims_old + victim_rank, held, mask=take)
+    tl.store(victims_hot + victim_rank, hot, mask=take)
+    last = tl.max(scan, 0)  # the scan only grows
+    return num_below + (last & 0xFFFF), num_at + (last >> 16)
 
 
 @triton.jit(do_not_specialize=["K", "max_pages"], do_not_specialize_on_alignment=["topk_ptr", "counts_ptr"])
 def _plan_kernel(
     topk_ptr, counts_ptr, gpu_page_ptr, host_page_ptr, lease_ptr, step_ptr,
-    kv_ptr, num_copied_ptr, victim_ptr, copy_src_ptr, copy_dst_ptr,
+    kv_ptr, num_copied_ptr, victim_ptr, victim_old_ptr, copy_src_ptr, copy_dst_ptr,
     K, max_pages,
-    PAGE: tl.constexpr, K_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, WAYS: tl.constexpr,
+    PAGE: tl.constexpr, K_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, WAYS: tl.constexpr, GALLOP: tl.constexpr,
     STAMP64: tl.constexpr, MAP16: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
@@ -187,6 +228,7 @@ def _plan_kernel(
     hit = lookup & (h >= 0)
     miss = lookup & (h < 0)
     tl.store(stamp_row + h, step, mask=hit)
+    hot_hit = tl.load(hot_row + h, mask=hit, other=-1)
     num_miss = tl.sum(miss.to(tl.int32), 0)
 
     # misses only: victims, reverse-map and LRU updates, the copy list. A hot buffer of up to R_BLOCK slots
@@ -194,69 +236,76 @@ def _plan_kernel(
     # at every pass, so one compiled plan serves hot buffers of any size.
     num_served = num_miss * 0
     served = offs_k < 0
-    v = h * 0
     miss_rank = h * 0
+    v_hot = h * 0
     if num_miss > 0:
-        tl.debug_barrier()  # hit stamps are visible: hit slots are not candidates
+        miss_rank = tl.cumsum(miss.to(tl.int32), 0) - 1  # victims go to misses in top-K order
+        host_page = tl.load(host_page_ptr + b * max_pages + page, mask=miss, other=0)
         victims = victim_ptr + b * K
-        ways = tl.arange(0, WAYS)
+        victims_old = victim_old_ptr + b * K
+        victims_hot = copy_dst_ptr + b * K  # the m-th victim's hot slot is the m-th miss's copy destination
+        tl.static_assert(WAYS * _FIELD_BITS <= 63 and R_BLOCK < 65536)
         if R <= R_BLOCK:
-            offs_r, key, cand = _slot_keys(held_row, stamp_row, 0, R, step, R_BLOCK)
+            offs_r = tl.arange(0, R_BLOCK)
+            held = tl.load(held_row + offs_r, mask=offs_r < R, other=-1)  # on their way across the barrier
+            hot = tl.load(hot_row + offs_r, mask=offs_r < R, other=-1)
+            tl.debug_barrier()  # hit stamps are visible: hit slots are not candidates
+            key = tl.where(held < 0, -1, tl.load(stamp_row + offs_r, mask=offs_r < R, other=0))
+            cand = (offs_r < R) & (key < step)
             num_cand, lo, hi = _bounds(key, cand, step)
             num_served = tl.minimum(num_miss, num_cand)
+            below = num_miss * 0  # candidates with key < lo
+            gallop = num_miss * 0 + GALLOP  # a tensor: it changes inside the loop
             while lo < hi:  # smallest threshold with num_miss candidates at or below it, WAYS probes a round
-                probe = _probes(lo, hi, ways, WAYS)
-                lo, hi = _narrow(lo, hi, probe, _count_at_or_below(key, cand, probe) >= num_miss)
-            at_quota = num_miss - tl.sum((cand & (key < lo)).to(tl.int32), 0)
-            _pick_victims(key, cand, offs_r, lo, at_quota, num_miss * 0, num_miss * 0, num_served, victims)
+                counts = _count_at_or_below(key, cand, lo, hi, gallop != 0, WAYS)
+                lo, hi, below = _narrow(lo, hi, below, gallop != 0, counts, num_miss, WAYS)
+                gallop = gallop * 0
+            _pick_victims(key, cand, offs_r, held, hot, lo, num_miss - below, num_miss * 0, num_miss * 0,
+                          num_served, victims, victims_old, victims_hot)
         else:
+            tl.debug_barrier()
             num_cand = num_miss * 0
             lo = step
             hi = step * 0 - 2
             for r0 in range(0, R, R_BLOCK):
-                offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+                offs_r, held, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
                 n, chunk_lo, chunk_hi = _bounds(key, cand, step)
                 num_cand += n
                 lo = tl.minimum(lo, chunk_lo)
                 hi = tl.maximum(hi, chunk_hi)
             num_served = tl.minimum(num_miss, num_cand)
+            below = num_miss * 0
+            gallop = num_miss * 0 + GALLOP
             while lo < hi:
-                probe = _probes(lo, hi, ways, WAYS)
-                at_or_below = ways * 0
+                counts = (lo * 0).to(tl.int64)
                 for r0 in range(0, R, R_BLOCK):
-                    offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
-                    at_or_below += _count_at_or_below(key, cand, probe)
-                lo, hi = _narrow(lo, hi, probe, at_or_below >= num_miss)
+                    offs_r, held, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+                    counts += _count_at_or_below(key, cand, lo, hi, gallop != 0, WAYS)
+                lo, hi, below = _narrow(lo, hi, below, gallop != 0, counts, num_miss, WAYS)
+                gallop = gallop * 0
+            at_quota = num_miss - below  # slots stamped exactly `lo` that become victims, lowest index first
             num_below = num_miss * 0
-            for r0 in range(0, R, R_BLOCK):
-                offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
-                num_below += tl.sum((cand & (key < lo)).to(tl.int32), 0)
-            at_quota = num_miss - num_below  # slots stamped exactly `lo` that become victims, lowest index first
             num_at = num_miss * 0
-            num_victims = num_miss * 0
             for r0 in range(0, R, R_BLOCK):
-                offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
-                num_at, num_victims = _pick_victims(key, cand, offs_r, lo, at_quota, num_at, num_victims,
-                                                    num_served, victims)
+                offs_r, held, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+                hot = tl.load(hot_row + offs_r, mask=offs_r < R, other=-1)
+                num_below, num_at = _pick_victims(key, cand, offs_r, held, hot, lo, at_quota, num_below, num_at,
+                                                  num_served, victims, victims_old, victims_hot)
         tl.debug_barrier()
-        # victims go to misses in top-K order
-        miss_rank = tl.cumsum(miss.to(tl.int32), 0) - 1
         served = miss & (miss_rank < num_served)
         v = tl.load(victims + miss_rank, mask=served, other=0)
-        old = tl.load(held_row + v, mask=served, other=-1)
+        old = tl.load(victims_old + miss_rank, mask=served, other=-1)
+        v_hot = tl.load(victims_hot + miss_rank, mask=served, other=-1)
+        # `old` is never a position of this row's top-K (a held selected position is a hit, its slot stamped
+        # this step, so not a victim): clearing it and mapping the misses touch different entries
         tl.store(map_row + old, -1, mask=served & (old >= 0))
-        tl.debug_barrier()
         tl.store(map_row + pos, v.to(map_row.dtype.element_ty), mask=served)
         tl.store(held_row + v, pos, mask=served)
         tl.store(stamp_row + v, step, mask=served)
-        host_page = tl.load(host_page_ptr + b * max_pages + page, mask=served, other=0)
         tl.store(copy_src_ptr + b * K + miss_rank, host_page * PAGE + tok, mask=served)
 
-    use = hit | served
-    hot = tl.load(hot_row + tl.where(hit, h, v), mask=use, other=-1)
-    kv = tl.where(resident, gpage * PAGE + tok, tl.where(use, hot, -1))
+    kv = tl.where(resident, gpage * PAGE + tok, tl.where(hit, hot_hit, tl.where(served, v_hot, -1)))
     tl.store(kv_ptr + b * K + offs_k, kv, mask=offs_k < K)
-    tl.store(copy_dst_ptr + b * K + miss_rank, hot, mask=served)
     tl.store(num_copied_ptr + b, num_served)
 
 
@@ -352,6 +401,8 @@ def _check_tables(hot_slots, slot_pos, slot_stamp, pos_to_hot, device) -> None:
             raise ValueError(f"{name} must be contiguous on {device}")
     if pos_to_hot.dtype == torch.int16 and r > torch.iinfo(torch.int16).max:
         raise ValueError("an int16 reverse map holds at most 32767 hot slots")
+    if r >= _MAX_HOT_SLOTS:
+        raise ValueError(f"a hot buffer holds fewer than {_MAX_HOT_SLOTS} slots, got {r}")
 
 
 def _is_pinned(host_pool: torch.Tensor) -> bool:
@@ -384,16 +435,16 @@ def _launch_plan(topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_ta
             or kv_slots.device != dev):
         raise ValueError("out must be a contiguous [B, K] int32 tensor on the pool's device")
     num_copied = torch.empty(b, dtype=torch.int32, device=dev)
-    work = torch.empty((3, b, k), dtype=torch.int32, device=dev)
+    work = torch.empty((4, b, k), dtype=torch.int32, device=dev)
     _plan_kernel[(b,)](
         topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_table, _step_tensor(step, stamp_dtype, dev),
-        kv_slots, num_copied, work[0], work[1], work[2],
+        kv_slots, num_copied, work[0], work[1], work[2], work[3],
         k, gpu_slot_of_page.shape[1],
-        PAGE=page_size, K_BLOCK=triton.next_power_of_2(k), R_BLOCK=_R_BLOCK, WAYS=_SEARCH_WAYS,
+        PAGE=page_size, K_BLOCK=triton.next_power_of_2(k), R_BLOCK=_R_BLOCK, WAYS=_SEARCH_WAYS, GALLOP=_SEARCH_GALLOP,
         STAMP64=stamp_dtype == torch.int64, MAP16=map_dtype == torch.int16, num_warps=num_warps,
         **pdl.launch_options(topk_pos.device)
     )
-    return ResolvePlan(kv_slots, num_copied, work[1], work[2])
+    return ResolvePlan(kv_slots, num_copied, work[2], work[3])
 
 
 def plan_group(topk_pos, counts, gpu_slot_of_page, host_page_of_page, hot_slots, slot_pos, slot_stamp,
@@ -481,6 +532,8 @@ def resolve_leases(topk_pos, counts, gpu_slot_of_page, host_page_of_page, leases
 def lease_table(leases: Sequence[LeaseState | None]) -> torch.Tensor:
     """[B, LEASE_WIDTH] int64 host rows of separate leases: their addresses and sizes (zeros for a row
     without a lease, whose positions must all be resident)."""
+    if any(lease is not None and lease.hot_slots.numel() >= _MAX_HOT_SLOTS for lease in leases):
+        raise ValueError(f"a hot buffer holds fewer than {_MAX_HOT_SLOTS} slots")
     rows = [[0] * LEASE_WIDTH if lease is None else
             [*(t.data_ptr() for t in lease), lease.hot_slots.numel(), lease.pos_to_hot.numel()] for lease in leases]
     return torch.tensor(rows, dtype=torch.int64).reshape(len(leases), LEASE_WIDTH)

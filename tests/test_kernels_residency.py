@@ -121,9 +121,13 @@ def run_resolve(fn, case: ResolveCase, topk, counts, state, step, group):
     (5, [384, 384], 32, 48, 2_000_000_000, torch.int32, torch.int32),
 ])
 @pytest.mark.parametrize("r_block,b_block", [(1024, 64), (8, 2)])  # one chunk; many chunks of slots and requests
-def test_resolve_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtype, r_block, b_block, monkeypatch):
+@pytest.mark.parametrize("ways,gallop", [(1, True), (1, False), (2, False), (3, True)])  # the victim search's probe rules
+def test_resolve_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtype, r_block, b_block, ways, gallop,
+                              monkeypatch):
     monkeypatch.setattr(resolve, "_R_BLOCK", r_block)
     monkeypatch.setattr(resolve, "_B_BLOCK", b_block)
+    monkeypatch.setattr(resolve, "_SEARCH_WAYS", ways)
+    monkeypatch.setattr(resolve, "_SEARCH_GALLOP", gallop)
     rng = random.Random(seed)
     case = make_case(rng, ctx, num_hot, 384, step=step, stamp_dtype=stamp_dtype, map_dtype=map_dtype)
     topk, counts, _ = make_topk(rng, ctx, k)
