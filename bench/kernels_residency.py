@@ -344,16 +344,18 @@ def bench_plan_graph(layout, gpu_pool, host_pool, log) -> list[dict]:
             form = f"{ways} probe{'s' if ways > 1 else ''} a round{', first near the smallest key' if gallop else ''}"
             rows.append(dict(what=f"plan kernel (table built once; {form})", miss_rate=rate, warps=8, us=us))
             log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}): {us:.2f} us")
-        # the engine's table dtypes (int64 stamps, int32 reverse map: residency/hot_buffer.py), the default form
-        stamp64, rmap32 = stamp.long(), rmap.int()
-        table64, step64 = resolve._stacked_lease_table(hot, held, stamp64, rmap32), step_t.to(torch.int64)
-        reset64 = (lambda: (reset(), stamp64.copy_(pristine[1]), rmap32.copy_(pristine[2]))) if rate else None
-        us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table64, torch.int64,
-                                                   torch.int32, step64, gpu_pool, None, resolve.PAGE_SIZE, 8),
-                      20, setup=reset64) * 1e3
-        rows.append(dict(what=f"plan kernel (table built once; {form}; int64 stamps, int32 map)", miss_rate=rate,
-                         warps=8, us=us))
-        log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}, int64 stamps): {us:.2f} us")
+        # other table dtypes, the default form: the engine's (int64 stamps, int32 reverse map:
+        # residency/hot_buffer.py) and each of its two halves beside the bench's int32 / int16
+        for stamp_dtype, map_dtype in ((torch.int64, torch.int32), (torch.int64, torch.int16), (torch.int32, torch.int32)):
+            stamp_x, rmap_x = stamp.to(stamp_dtype), rmap.to(map_dtype)
+            table_x, step_x = resolve._stacked_lease_table(hot, held, stamp_x, rmap_x), step_t.to(stamp_dtype)
+            reset_x = (lambda: (reset(), stamp_x.copy_(pristine[1]), rmap_x.copy_(pristine[2]))) if rate else None
+            us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table_x, stamp_dtype,
+                                                       map_dtype, step_x, gpu_pool, None, resolve.PAGE_SIZE, 8),
+                          20, setup=reset_x) * 1e3
+            dtypes = f"{str(stamp_dtype)[6:]} stamps, {str(map_dtype)[6:]} map"
+            rows.append(dict(what=f"plan kernel (table built once; {form}; {dtypes})", miss_rate=rate, warps=8, us=us))
+            log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}, {dtypes}): {us:.2f} us")
         for warps in (4, 16):  # the default form at other widths
             us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table, stamp.dtype,
                                                        rmap.dtype, step_s, gpu_pool, None, resolve.PAGE_SIZE, warps),
