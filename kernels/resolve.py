@@ -36,9 +36,9 @@ a new shape never stalls a serving step on a compile.
 
 Caller guarantees: positions are unique within a row; the newest token's page
 is resident; `R >= count` (hot_rows >= top-K); step numbers grow from call to
-call and stay below 2**60; a hot buffer has fewer than 2**21 slots. If a row still has more misses than victims (slots
-not used this step), the extra misses resolve to -1 and copy nothing. Entries
-past `count` are -1.
+call and stay below 2**60; a hot buffer has fewer than 2**21 slots. If a row
+still has more misses than victims (slots not used this step), the extra misses
+resolve to -1 and copy nothing. Entries past `count` are -1.
 
 `resolve_group` runs both launches over [B, R] stacked tables; `plan_group` and
 `copy_misses` are the two halves (the copy can go on a side stream as prefetch
