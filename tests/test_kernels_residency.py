@@ -119,6 +119,7 @@ def run_resolve(fn, case: ResolveCase, topk, counts, state, step, group):
     (3, [250, 256, 129], 24, 8, 9, torch.int32, torch.int16),  # R < count: caller broke the guarantee
     (4, [384, 300, 200], 16, 20, 1 << 40, torch.int64, torch.int16),  # wide stamp range: many search rounds
     (5, [384, 384], 32, 48, 2_000_000_000, torch.int32, torch.int32),
+    (6, [300, 384, 200], 16, 24, 3, torch.int32, torch.int16),  # three stamps: victims below the threshold and at it
 ])
 @pytest.mark.parametrize("r_block,b_block", [(1024, 64), (8, 2)])  # one chunk; many chunks of slots and requests
 @pytest.mark.parametrize("ways,gallop", [(1, True), (1, False), (2, False), (3, True)])  # the victim search's probe rules
