@@ -43,6 +43,7 @@ from engine.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, Sched
 from engine.spec_decode_stats import SpecDecodeStats
 from engine.tokenizer import Tokenizer
 from engine.tp.sharding import check_shardable
+from kernels.resolve import MAX_HOT_SLOTS
 from residency.config import HiSparseConfig
 from residency.host_pool import HostPool
 from residency.manager import ResidencyManager
@@ -103,6 +104,9 @@ class LLMEngine:
         has_tokenizer = (Path(config.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer.from_dir(config.model) if has_tokenizer else None
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        if self.max_model_len >= MAX_HOT_SLOTS:  # a hot lease holds up to a request's host-only tokens
+            raise ValueError(f"max_model_len {self.max_model_len} must be below {MAX_HOT_SLOTS} tokens (the "
+                             "largest hot buffer the residency resolve serves)")
         self.num_speculative_tokens = config.num_speculative_tokens
         if self.num_speculative_tokens and self.model_config.num_nextn_predict_layers < 1:
             raise ValueError("num_speculative_tokens needs a model with an MTP layer (num_nextn_predict_layers)")

@@ -75,7 +75,7 @@ _SEARCH_WAYS = 3
 _SEARCH_GALLOP = True
 _FIELD_BITS: tl.constexpr = tl.constexpr(21)  # one probe's count in the packed sum
 _FIELD_MASK: tl.constexpr = tl.constexpr((1 << 21) - 1)
-_MAX_HOT_SLOTS = 1 << 21
+MAX_HOT_SLOTS = 1 << 21
 # Hot slots per chunk of the victim search: one compiled plan for any hot buffer size; the default buffer
 # (2 x top-K = 4,096 slots) in one chunk: 23 us at 1 % misses against 26 (2,048) and 31 (1,024).
 _R_BLOCK = 4096
@@ -401,8 +401,8 @@ def _check_tables(hot_slots, slot_pos, slot_stamp, pos_to_hot, device) -> None:
             raise ValueError(f"{name} must be contiguous on {device}")
     if pos_to_hot.dtype == torch.int16 and r > torch.iinfo(torch.int16).max:
         raise ValueError("an int16 reverse map holds at most 32767 hot slots")
-    if r >= _MAX_HOT_SLOTS:
-        raise ValueError(f"a hot buffer holds fewer than {_MAX_HOT_SLOTS} slots, got {r}")
+    if r >= MAX_HOT_SLOTS:
+        raise ValueError(f"a hot buffer holds fewer than {MAX_HOT_SLOTS} slots, got {r}")
 
 
 def _is_pinned(host_pool: torch.Tensor) -> bool:
@@ -532,8 +532,8 @@ def resolve_leases(topk_pos, counts, gpu_slot_of_page, host_page_of_page, leases
 def lease_table(leases: Sequence[LeaseState | None]) -> torch.Tensor:
     """[B, LEASE_WIDTH] int64 host rows of separate leases: their addresses and sizes (zeros for a row
     without a lease, whose positions must all be resident)."""
-    if any(lease is not None and lease.hot_slots.numel() >= _MAX_HOT_SLOTS for lease in leases):
-        raise ValueError(f"a hot buffer holds fewer than {_MAX_HOT_SLOTS} slots")
+    if any(lease is not None and lease.hot_slots.numel() >= MAX_HOT_SLOTS for lease in leases):
+        raise ValueError(f"a hot buffer holds fewer than {MAX_HOT_SLOTS} slots")
     rows = [[0] * LEASE_WIDTH if lease is None else
             [*(t.data_ptr() for t in lease), lease.hot_slots.numel(), lease.pos_to_hot.numel()] for lease in leases]
     return torch.tensor(rows, dtype=torch.int64).reshape(len(leases), LEASE_WIDTH)

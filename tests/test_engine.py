@@ -131,6 +131,13 @@ def test_max_model_len_stops_generation(tiny_dir: Path) -> None:
     assert out.finish_reason == "length" and len(out.token_ids) == 5
 
 
+def test_max_model_len_beyond_the_largest_hot_buffer_is_refused(tiny_dir: Path) -> None:
+    """A hot lease grows to a request's host-only tokens, and the resolve serves buffers below 2**21 slots: a
+    context that could outgrow it is refused when the engine is built, not in a step."""
+    with pytest.raises(ValueError, match="max_model_len 2097152 must be below 2097152"):
+        make_engine(tiny_dir, max_model_len=1 << 21)
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_dir: Path) -> None:
     prompt = _prompt(30, 4)
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
