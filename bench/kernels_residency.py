@@ -346,7 +346,8 @@ def bench_plan_graph(layout, gpu_pool, host_pool, log) -> list[dict]:
             log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}): {us:.2f} us")
         # other table dtypes, the default form: the engine's (int64 stamps, int32 reverse map:
         # residency/hot_buffer.py) and each of its two halves beside the bench's int32 / int16
-        for stamp_dtype, map_dtype in ((torch.int64, torch.int32), (torch.int64, torch.int16), (torch.int32, torch.int32)):
+        for stamp_dtype, map_dtype in ((torch.int64, torch.int32), (torch.int64, torch.int16),
+                                       (torch.int32, torch.int32)):
             stamp_x, rmap_x = stamp.to(stamp_dtype), rmap.to(map_dtype)
             table_x, step_x = resolve._stacked_lease_table(hot, held, stamp_x, rmap_x), step_t.to(stamp_dtype)
             reset_x = (lambda: (reset(), stamp_x.copy_(pristine[1]), rmap_x.copy_(pristine[2]))) if rate else None

@@ -122,7 +122,8 @@ def run_resolve(fn, case: ResolveCase, topk, counts, state, step, group):
     (6, [300, 384, 200], 16, 24, 3, torch.int32, torch.int16),  # three stamps: victims below the threshold and at it
 ])
 @pytest.mark.parametrize("r_block,b_block", [(1024, 64), (8, 2)])  # one chunk; many chunks of slots and requests
-@pytest.mark.parametrize("ways,gallop", [(1, True), (1, False), (2, False), (3, True)])  # the victim search's probe rules
+# the victim search's probe rules: probes a round, first round near the oldest stamp
+@pytest.mark.parametrize("ways,gallop", [(1, True), (1, False), (2, False), (3, True)])
 def test_resolve_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtype, r_block, b_block, ways, gallop,
                               monkeypatch):
     monkeypatch.setattr(resolve, "_R_BLOCK", r_block)
