@@ -13,6 +13,8 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from ray.exceptions import TaskCancelledError
+
 from app.errors import error_body
 
 Scope = MutableMapping[str, Any]
@@ -71,7 +73,11 @@ def _content_length(scope: Scope) -> int | None:
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that hands out the buffered body once, then waits on the real one (for disconnects)."""
+    """A `receive` that hands out the buffered body once, then waits on the real one (for disconnects).
+
+    When a client goes away, Serve cancels the task that relays its messages and the real `receive` raises
+    `TaskCancelledError`; that is the ASGI disconnect, so it is handed on as one. Raised instead, it reached
+    the app's error handler as an unexpected error (a traceback for every stream a client left)."""
     sent = False
 
     async def replayed() -> Message:
@@ -79,6 +85,9 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
+        try:
+            return await receive()
+        except TaskCancelledError:
+            return {"type": "http.disconnect"}
 
     return replayed

@@ -291,18 +291,24 @@ def test_overload_503_says_when_to_retry(cluster: None) -> None:
     wait_for(lambda: replica_idle("DecodeServer", "keyed"))
 
 
-def test_app_logs_reach_the_replica_log(cluster: None) -> None:
+def _replica_log(app: str, deployment: str) -> str:
     logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve"
-    ingress_logs = "".join(p.read_text(errors="replace") for p in logs.glob("replica_keyed_OpenAIIngress_*.log"))
-    assert "clients must send the API key" in ingress_logs
-    decode_logs = "".join(p.read_text(errors="replace") for p in logs.glob("replica_hard_DecodeServer_*.log"))
-    assert "decode replica serving glm-tiny" in decode_logs
+    return "".join(p.read_text(errors="replace") for p in logs.glob(f"replica_{app}_{deployment}_*.log"))
+
+
+def test_app_logs_reach_the_replica_log(cluster: None) -> None:
+    assert "clients must send the API key" in _replica_log("keyed", "OpenAIIngress")
+    assert "decode replica serving glm-tiny" in _replica_log("hard", "DecodeServer")
 
 
 # --- load and disconnects -----------------------------------------------------------------------
 
 
 def test_streams_with_disconnects_all_end_and_pools_return(decode_replica: set[str]) -> None:
+    """Clients that walk away mid-stream end their requests (pages back in the pool) and are disconnects to
+    the ingress, not errors: no 500 handler, no traceback in its log."""
+    unexpected_before = _replica_log("hard", "OpenAIIngress").count("unexpected error serving a request")
+
     async def one(http: httpx.AsyncClient, i: int) -> str:
         body = _chat(f"Stream {i}: " + "tell me more " * (5 + 7 * (i % 4)), max_tokens=30, stream=True,
                      ignore_eos=True)
@@ -328,6 +334,8 @@ def test_streams_with_disconnects_all_end_and_pools_return(decode_replica: set[s
     wait_for(lambda: replica_idle("DecodeServer", "hard") and replica_idle("PrefillServer", "hard"))
     stats = replica_stats("DecodeServer", "hard")
     assert stats["pages_free"] + stats["pages_cached"] == stats["num_pages"]
+    time.sleep(1.0)  # the replica's log is written by its own process
+    assert _replica_log("hard", "OpenAIIngress").count("unexpected error serving a request") == unexpected_before
 
 
 # --- replicas killed (last) ---------------------------------------------------------------------
