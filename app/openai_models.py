@@ -9,7 +9,10 @@ OpenAI defines that change nothing here (`user`, `store`, `metadata`,
 fields whose meaning this server cannot honour (n > 1, logprobs, penalties,
 logit bias, a structured `response_format`, echo, forced tool choice) are
 refused with 400 by `unsupported` or the ingress. `ignore_eos` and `top_k` are
-vLLM's extensions, sent through the client's `extra_body`.
+vLLM's extensions, sent through the client's `extra_body`; vLLM's other sampling
+extensions (`min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, beam
+search, guided decoding) are accepted at their neutral values only, so a client
+moved from vLLM is told rather than sampled differently without a word.
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ class GenerationRequest(_Body):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    # vLLM's sampling extensions this server cannot honour (see the module docstring)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    use_beam_search: bool = False
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -71,6 +85,16 @@ class GenerationRequest(_Body):
                     "presence and frequency penalties are not supported")
         if self.logit_bias:
             return "logit_bias", "logit_bias is not supported"
+        for name, neutral in (("min_p", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
+            if getattr(self, name) != neutral:
+                return name, f"{name} is not supported (only {neutral})"
+        if self.stop_token_ids:
+            return "stop_token_ids", "stop_token_ids are not supported (stop strings are)"
+        if self.use_beam_search:
+            return "use_beam_search", "beam search is not supported"
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(self, name) is not None:
+                return name, "structured output (guided decoding) is not supported"
         return None
 
 

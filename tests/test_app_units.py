@@ -24,6 +24,7 @@ from app.decode import DecodeServer
 from app.logs import log_cancellations_briefly
 from app.main import build_app
 from app.messages import GenerateChunk, GenerateRequest
+from app.openai_models import ChatCompletionRequest, CompletionRequest
 from app.responses import ResponseMeta, collect_chat, stream_chat
 from app.router import AffinityRouter, affinity_rank
 from app.tool_parser import ToolCall, ToolCallStreamParser, parse_tool_calls
@@ -475,6 +476,41 @@ def test_body_limit_refuses_declared_and_streamed_bodies() -> None:
     assert streamed[0]["status"] == 413 and not seen
     assert _asgi_post(app, [b"a" * 500, b"b" * 500], [])[0]["status"] == 200
     assert seen == [b"a" * 500 + b"b" * 500]  # replayed whole to the route
+
+
+def test_body_limit_hands_a_cancelled_relay_on_as_a_disconnect() -> None:
+    """Serve cancels the task relaying a request's messages when its client goes away; the route then waits on
+    `receive` for a disconnect (a stream listens for one) and must get the ASGI message, not the exception."""
+    messages: list[dict] = []
+    body = b'{"a": 1}'
+
+    async def listener(scope: dict, receive, send) -> None:  # noqa: ANN001 - an ASGI app
+        messages.append(await receive())
+        messages.append(await receive())
+
+    relayed = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+    async def relay() -> dict:  # the body once (read by the middleware), then the client is gone
+        for message in relayed:
+            return message
+        raise TaskCancelledError()
+
+    async def send(message: dict) -> None:
+        pass
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    asyncio.run(BodyLimitMiddleware(listener, max_bytes=1000)(scope, relay, send))
+    assert messages == [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+
+
+def test_vllm_sampling_extensions_pass_only_at_their_neutral_values() -> None:
+    base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    neutral = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [], "use_beam_search": False}
+    assert ChatCompletionRequest.model_validate({**base, **neutral}).unsupported() is None
+    for field, value in (("min_p", 0.05), ("repetition_penalty", 1.1), ("min_tokens", 2), ("stop_token_ids", [3]),
+                         ("use_beam_search", True), ("guided_regex", "a+"), ("guided_choice", ["a"])):
+        refused = CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value}).unsupported()
+        assert refused is not None and refused[0] == field, (field, refused)
 
 
 def test_cancelled_ray_tasks_are_logged_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
