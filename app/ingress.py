@@ -130,17 +130,20 @@ class OpenAIIngress:
         if refused is not None:
             raise APIError(400, refused[1], refused[0])
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        stop_ids = tuple(body.stop_token_ids or ())
+        self._check_ids(list(stop_ids), "stop_token_ids")
         try:
             return SamplingParams(
                 max_tokens=max_tokens or self.config.api.default_max_tokens,
                 temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                seed=body.seed, stop=stop, ignore_eos=body.ignore_eos,
+                seed=body.seed, stop=stop, ignore_eos=body.ignore_eos, stop_token_ids=stop_ids,
             )
         except InvalidRequestError as exc:
             raise APIError(400, str(exc)) from None
 
     def _check_ids(self, ids: list[int], param: str) -> None:
-        """Prompt token ids must be ones the tokenizer can decode (what /detokenize accepts)."""
+        """Token ids a client sends (a prompt, stop ids) must be ones the tokenizer can decode (what /detokenize
+        accepts)."""
         vocab = self.tokenizer.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:

@@ -9,10 +9,10 @@ OpenAI defines that change nothing here (`user`, `store`, `metadata`,
 fields whose meaning this server cannot honour (n > 1, logprobs, penalties,
 logit bias, a structured `response_format`, echo, forced tool choice) are
 refused with 400 by `unsupported` or the ingress. `ignore_eos` and `top_k` are
-vLLM's extensions, sent through the client's `extra_body`; vLLM's other sampling
-extensions (`min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, beam
-search, guided decoding) are accepted at their neutral values only, so a client
-moved from vLLM is told rather than sampled differently without a word.
+vLLM's extensions, sent through the client's `extra_body`, as is `stop_token_ids`;
+vLLM's other sampling extensions (`min_p`, `repetition_penalty`, `min_tokens`,
+beam search, guided decoding) are accepted at their neutral values only, so a
+client moved from vLLM is told rather than sampled differently without a word.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_MESSAGES = 4096
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 64
 MAX_TOOLS = 512
 # torch.Generator takes any seed in [-2**63, 2**64): anything beyond is the client's mistake.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -54,11 +55,11 @@ class GenerationRequest(_Body):
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     # vLLM's sampling extensions this server cannot honour (see the module docstring)
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
     min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
     use_beam_search: bool = False
     guided_json: Any = None
     guided_regex: Any = None
@@ -88,8 +89,6 @@ class GenerationRequest(_Body):
         for name, neutral in (("min_p", 0.0), ("repetition_penalty", 1.0), ("min_tokens", 0)):
             if getattr(self, name) != neutral:
                 return name, f"{name} is not supported (only {neutral})"
-        if self.stop_token_ids:
-            return "stop_token_ids", "stop_token_ids are not supported (stop strings are)"
         if self.use_beam_search:
             return "use_beam_search", "beam search is not supported"
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):

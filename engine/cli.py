@@ -117,6 +117,7 @@ def _submit(engine: LLMEngine, i: int, spec: dict[str, Any], args: argparse.Name
         seed=spec.get("seed", args.seed),
         stop=tuple(spec.get("stop", ())),
         ignore_eos=bool(spec.get("ignore_eos", args.ignore_eos)),
+        stop_token_ids=tuple(spec.get("stop_token_ids", ())),
     )
     rid = f"cli-{i}"
     engine.add_request(rid, ids, params)

@@ -480,7 +480,7 @@ class LLMEngine:
                 finishing: list[tuple[Request, FinishReason]] | None = None) -> RequestOutput:
         req.output_token_ids.append(token)
         state = self._text[req.request_id]
-        is_eos = not req.params.ignore_eos and token in self.eos_token_ids
+        is_eos = token in req.params.stop_token_ids or (not req.params.ignore_eos and token in self.eos_token_ids)
         if not is_eos and state.detok:  # the stop token itself is not part of the text
             state.text += state.detok.step(token)
         reason = FinishReason.STOP if is_eos else self._stop_reason(req, state)

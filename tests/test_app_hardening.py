@@ -128,6 +128,16 @@ def test_extreme_sampling_values_leave_the_engine_running(decode_replica: set[st
     assert narrow.usage.completion_tokens >= 1 and tiny_k.usage.completion_tokens >= 1
 
 
+def test_stop_token_ids_end_a_reply(decode_replica: set[str]) -> None:
+    """vLLM's `stop_token_ids` (through `extra_body`) end a reply at the first of them, finish reason `stop`."""
+    body = {"model": MODEL, "prompt": [5, 17, 40, 99], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    free = _post("/v1/completions", body).json()["choices"][0]
+    ids = _post("/tokenize", {"prompt": free["text"]}).json()["tokens"]
+    stopped = _post("/v1/completions", {**body, "stop_token_ids": [ids[3]]}).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and free["finish_reason"] == "length"
+    assert free["text"].startswith(stopped["text"]) and len(stopped["text"]) < len(free["text"])
+
+
 # --- strict input -------------------------------------------------------------------------------
 
 _ASSISTANT = {"role": "assistant", "content": None}
@@ -168,7 +178,8 @@ HOSTILE = [
     ("repetition_penalty", "/v1/completions", {"model": MODEL, "prompt": "x", "repetition_penalty": 1.2}, 400,
      "repetition_penalty"),
     ("min_tokens", "/v1/chat/completions", _chat("x", min_tokens=4), 400, "min_tokens"),
-    ("stop_token_ids", "/v1/chat/completions", _chat("x", stop_token_ids=[5]), 400, "stop_token_ids"),
+    ("stop_token_ids outside the vocabulary", "/v1/chat/completions", _chat("x", stop_token_ids=[5, 420]), 400,
+     "stop_token_ids"),
     ("guided_json", "/v1/chat/completions", _chat("x", guided_json={"type": "object"}), 400, "guided_json"),
     ("structured_outputs", "/v1/chat/completions", _chat("x", structured_outputs={"choice": ["a", "b"]}), 400,
      "structured_outputs"),

@@ -505,10 +505,10 @@ def test_body_limit_hands_a_cancelled_relay_on_as_a_disconnect() -> None:
 
 def test_vllm_sampling_extensions_pass_only_at_their_neutral_values() -> None:
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
-    neutral = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "stop_token_ids": [], "use_beam_search": False}
+    neutral = {"min_p": 0.0, "repetition_penalty": 1.0, "min_tokens": 0, "use_beam_search": False}
     assert ChatCompletionRequest.model_validate({**base, **neutral}).unsupported() is None
-    for field, value in (("min_p", 0.05), ("repetition_penalty", 1.1), ("min_tokens", 2), ("stop_token_ids", [3]),
-                         ("use_beam_search", True), ("guided_regex", "a+"), ("guided_choice", ["a"])):
+    for field, value in (("min_p", 0.05), ("repetition_penalty", 1.1), ("min_tokens", 2), ("use_beam_search", True),
+                         ("guided_regex", "a+"), ("guided_choice", ["a"])):
         refused = CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value}).unsupported()
         assert refused is not None and refused[0] == field, (field, refused)
 

@@ -123,6 +123,13 @@ def test_stop_conditions(tiny_dir: Path) -> None:
     assert len(eos_run.token_ids) == free_run.token_ids.index(eos) + 1
     [short] = engine.generate([prompt], [greedy(4)])
     assert short.finish_reason == "length" and len(short.token_ids) == 4
+    # a request's stop token ids end it like EOS (the token kept in token_ids, not in the text), ignore_eos or not
+    engine.eos_token_ids.discard(eos)
+    stop_id = free_run.token_ids[7]
+    [id_run] = engine.generate([prompt], [greedy(30, stop_token_ids=(stop_id,))])
+    first = free_run.token_ids.index(stop_id)
+    assert id_run.finish_reason == "stop" and id_run.token_ids == free_run.token_ids[: first + 1]
+    assert free_run.text.startswith(id_run.text) and len(id_run.text) < len(free_run.text)
 
 
 def test_max_model_len_stops_generation(tiny_dir: Path) -> None:

@@ -284,9 +284,13 @@ def test_buffered_steps_match_eager_ones(tiny_dir: Path, reference: list[list[in
         assert runs[0][0] == reference
 
 
-def _stop_run(tiny_dir: Path, k: int, eos: int, stop: str, replay: dict[str, list[int]] | None):  # noqa: ANN202
-    """EOS, a stop string, max_tokens, max_model_len and an abort, each in one request (each its own
-    prompt); returns each finished request's (tokens, text, finish reason)."""
+_STOP_PROMPTS = (30, 37, 44, 90, 58, 33)  # prompt lengths of the requests of `_stop_run`, in its order
+
+
+def _stop_run(tiny_dir: Path, k: int, eos: int, stop: str, stop_id: int,  # noqa: ANN202
+              replay: dict[str, list[int]] | None):
+    """EOS, a stop string, max_tokens, max_model_len, an abort and a stop token id, each in one request (each
+    its own prompt); returns each finished request's (tokens, text, finish reason)."""
     engine = make_engine(tiny_dir, num_speculative_tokens=k, max_model_len=120)
     engine.eos_token_ids.add(eos)
     params = {
@@ -295,8 +299,9 @@ def _stop_run(tiny_dir: Path, k: int, eos: int, stop: str, replay: dict[str, lis
         "length": greedy(7),
         "context": greedy(100),  # its 90-token prompt reaches max_model_len first
         "aborted": greedy(40),
+        "stop_id": greedy(40, stop_token_ids=(stop_id,)),
     }
-    lengths = {"eos": 30, "stop": 37, "length": 44, "context": 90, "aborted": 58}
+    lengths = dict(zip(params, _STOP_PROMPTS))
     for i, (rid, p) in enumerate(params.items()):
         engine.add_request(rid, _prompt(lengths[rid], i), p)
         if replay is not None:
@@ -317,17 +322,17 @@ def _stop_run(tiny_dir: Path, k: int, eos: int, stop: str, replay: dict[str, lis
 def test_stops_inside_accepted_drafts_end_like_decoding(tiny_dir: Path) -> None:
     """A stop (EOS, a stop string, max_tokens, the context limit) that falls among a step's accepted drafts
     ends the request there, with the text and finish reason of decoding one token a step."""
-    [free] = make_engine(tiny_dir).generate([_prompt(30, 0)], [greedy(40)])
-    [text_run] = make_engine(tiny_dir).generate([_prompt(37, 1)], [greedy(40)])
-    eos, stop = free.token_ids[9], text_run.text[4:7]
-    want = _stop_run(tiny_dir, 0, eos, stop, None)
-    assert [want[r][2] for r in ("eos", "stop", "length", "context")] == ["stop", "stop", "length", "length"]
+    free, text_run, id_run = make_engine(tiny_dir).generate(
+        [_prompt(30, 0), _prompt(37, 1), _prompt(_STOP_PROMPTS[-1], 5)], [greedy(40)] * 3)
+    eos, stop, stop_id = free.token_ids[9], text_run.text[4:7], id_run.token_ids[8]
+    want = _stop_run(tiny_dir, 0, eos, stop, stop_id, None)
+    assert [want[r][2] for r in ("eos", "stop", "length", "context", "stop_id")] == [
+        "stop", "stop", "length", "length", "stop"]
     # Drafts from an unbounded run of the same prompts: every one right, so stops land inside accepted runs.
     unbounded = make_engine(tiny_dir, max_model_len=120)
-    lengths = (30, 37, 44, 90, 58)
-    outs = unbounded.generate([_prompt(n, i) for i, n in enumerate(lengths)], [greedy(29)] * 5)
-    replay = dict(zip(("eos", "stop", "length", "context", "aborted"), (o.token_ids for o in outs)))
-    assert _stop_run(tiny_dir, 3, eos, stop, replay) == want
+    outs = unbounded.generate([_prompt(n, i) for i, n in enumerate(_STOP_PROMPTS)], [greedy(29)] * 6)
+    replay = dict(zip(("eos", "stop", "length", "context", "aborted", "stop_id"), (o.token_ids for o in outs)))
+    assert _stop_run(tiny_dir, 3, eos, stop, stop_id, replay) == want
 
 
 def test_buffered_steps_resolve_host_only_pages_as_one_union(tiny_dir: Path, reference: list[list[int]]) -> None:
