@@ -480,10 +480,11 @@ class LLMEngine:
                 finishing: list[tuple[Request, FinishReason]] | None = None) -> RequestOutput:
         req.output_token_ids.append(token)
         state = self._text[req.request_id]
-        is_eos = token in req.params.stop_token_ids or (not req.params.ignore_eos and token in self.eos_token_ids)
-        if not is_eos and state.detok:  # the stop token itself is not part of the text
+        p = req.params
+        is_stop_token = token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)
+        if not is_stop_token and state.detok:  # the stop token itself is not part of the text
             state.text += state.detok.step(token)
-        reason = FinishReason.STOP if is_eos else self._stop_reason(req, state)
+        reason = FinishReason.STOP if is_stop_token else self._stop_reason(req, state)
         if reason is not None:
             if not state.stop_hit and state.detok:
                 state.text += state.detok.flush()
