@@ -43,8 +43,10 @@ POOL_BYTES = 4 << 30
 _C = SparseMLAConfig
 MLA_CONFIGS = {  # (rows, heads): tried at B=64; the best is then also tried with other wave counts
     ("fp8", 8): [_C(block_k=32, num_warps=8, num_stages=3), _C(block_k=32, num_warps=4, prefetch=True),
+                 _C(block_k=32, num_warps=4, num_stages=2),
                  _C(block_k=32, num_warps=8, num_stages=3, dequant_f32=True), _C(block_k=64, num_warps=8, num_stages=3)],
-    ("bf16", 8): [_C(block_k=32, num_warps=4, prefetch=True), _C(block_k=32, num_warps=8, num_stages=3),
+    ("bf16", 8): [_C(block_k=32, num_warps=4, prefetch=True), _C(block_k=32, num_warps=4, num_stages=2),
+                  _C(block_k=32, num_warps=8, num_stages=3),
                   _C(block_k=64, num_warps=8, num_stages=3)],
     ("fp8", 64): [_C(block_h=64, block_k=32, num_warps=8), _C(block_h=64, block_k=32, num_warps=8, dequant_f32=True),
                   _C(block_h=16, block_k=64, num_warps=8), _C(block_h=32, block_k=32, num_warps=8)],

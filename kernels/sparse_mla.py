@@ -53,16 +53,22 @@ class SparseMLAConfig:
     @classmethod
     def for_problem(cls, num_heads: int, kv_format: str, num_rows: int = 1) -> "SparseMLAConfig":
         """Best measured tiles on an H200 (bench/RESULTS.md) for this head count, row format and number of
-        query rows. FP8 rows at a few heads: from 8 rows on, 32-row tiles of four warps with the next tile
-        loaded into registers (0.85-0.86x the time of 64-row tiles at B = 32 and 64, 0.82x at B = 128 with 8 waves);
-        below, 64-row tiles (12.5 against 13.5 us at B = 1)."""
+        query rows. FP8 rows at a few heads: from 8 rows on, 32-row tiles of four warps; below 128 rows
+        without the register prefetch (B = 8 / 32 / 64: 18.2 / 56.7 / 101.3 us against 19.8 / 60.8 / 108.5
+        with it: the prefetched tile spills at 255 registers), from 128 rows with it and 8 waves (207.5 against
+        218.0); below 8 rows, 64-row tiles (12.5 against 13.5 us at B = 1). bf16 rows from 8 rows on: 32-row tiles
+        of four warps in 2 waves (B = 32 / 64 / 128: 39.2 / 64.7 / 104.8 us against 54.3 / 83.9 / 154.9 with
+        64-row tiles of eight warps)."""
         if num_heads > 16 and kv_format == "fp8":
             return cls(block_h=64, block_k=32, num_warps=8, num_stages=2, waves=4)
         if num_heads > 16:
             return cls(block_h=16, block_k=64, num_warps=8, num_stages=2, waves=1)
+        if kv_format == "fp8" and num_rows >= 128:
+            return cls(block_h=16, block_k=32, num_warps=4, num_stages=2, prefetch=True, waves=8)
         if kv_format == "fp8" and num_rows >= 8:
-            return cls(block_h=16, block_k=32, num_warps=4, num_stages=2, prefetch=True,
-                       waves=8 if num_rows >= 128 else 4)
+            return cls(block_h=16, block_k=32, num_warps=4, num_stages=2, waves=4)
+        if kv_format == "bf16" and num_rows >= 8:
+            return cls(block_h=16, block_k=32, num_warps=4, num_stages=2, waves=2)
         return cls(block_h=16, block_k=64, num_warps=8, num_stages=3, waves=4)
 
 
