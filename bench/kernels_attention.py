@@ -10,7 +10,8 @@ runs under CUDA graphs too), achieved GB/s
 (bytes of selected MLA rows, or of indexer rows scored), the share of the HBM
 copy bandwidth measured in the same run (device-to-device copy, bytes read plus
 written), and the speed-up over the PyTorch twin (triton.testing.do_bench, L2 flushed) where
-the twin fits in memory; for the indexer also scoring plus the top-K kernel (`kernels.topk`).
+the twin fits in memory; for the indexer also scoring plus the top-K kernel (`kernels.topk`), and at
+B <= 8 the same with programmatic dependent launch, as the engine's decode graphs of so few rows launch it.
 A few tile configurations are tried at B=64 and the best is used for all B; the
 defaults (`SparseMLAConfig.for_problem`, chosen by the number of rows) are timed beside it.
 Prints a table last and writes it, with the full log, under $OUT (or bench/out).
@@ -33,6 +34,8 @@ import triton  # noqa: E402
 
 from bench.timing import OUT_DIR, bench, bench_graph, hbm_copy_gbs, pick, run_log  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
+from engine.rank.decode_graphs import PDL_MAX_ROWS  # noqa: E402
+from kernels import pdl  # noqa: E402
 from kernels.indexer import IndexerConfig, indexer_scores, indexer_scores_ref, indexer_topk  # noqa: E402
 from kernels.sparse_mla import SparseMLAConfig, sparse_mla, sparse_mla_ref  # noqa: E402
 
@@ -197,6 +200,10 @@ def run_indexer_format(kv_format: str, hbm: float, rows_out: list) -> bool:
                     return False
             ms = bench_graph(calls(best))
             topk_ms = bench_graph(calls(best, indexer_topk), iters=5)
+            topk_pdl_ms = None
+            if b <= PDL_MAX_ROWS:  # decode graphs of this few rows launch with PDL in the engine
+                with pdl.launches(True):
+                    topk_pdl_ms = bench_graph(calls(best, indexer_topk), iters=5)
             twin = "-"
             if b * ctx <= (4 << 20):
                 twin_ms = bench(lambda: indexer_scores_ref(q, w, view, tables[0], r2r, ctx_lens, ctx_lens, **kw),
@@ -205,23 +212,25 @@ def run_indexer_format(kv_format: str, hbm: float, rows_out: list) -> bool:
             gbs = nbytes / ms / 1e6
             rows_out.append(dict(kernel="indexer", fmt=kv_format, heads=HI, B=b, ctx=f"{ctx // 1024}K",
                                  MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin,
-                                 cfg=_cfg_name(best), topk_us=topk_ms * 1e3))
+                                 cfg=_cfg_name(best), topk_us=topk_ms * 1e3,
+                                 topk_pdl_us=None if topk_pdl_ms is None else topk_pdl_ms * 1e3))
             log(fmt_row(_cells(rows_out[-1])))
     return True
 
 
 HEADER = ["kernel", "rows", "heads", "B", "K / ctx", "MB read", "time us", "GB/s", "of HBM copy",
-          "x twin", "tiles", "+topk us", "defaults us (of HBM copy)"]
+          "x twin", "tiles", "+topk us", "+topk us, PDL", "defaults us (of HBM copy)"]
 
 
 def _cells(r: dict) -> list:
     twin = r["twin"] if isinstance(r["twin"], str) else f"{r['twin']:.1f}x"
     topk = f"{r['topk_us']:.0f}" if "topk_us" in r else "-"
+    topk_pdl = f"{r['topk_pdl_us']:.0f}" if r.get("topk_pdl_us") is not None else "-"
     default = "-"
     if "default_us" in r:
         default = f"{r['default_us']:.1f} ({100 * r['default_hbm']:.0f}%, {r['default_cfg']})"
     return [r["kernel"], r["fmt"], r["heads"], r["B"], r["ctx"], f"{r['MB']:.1f}", f"{r['us']:.1f}",
-            f"{r['gbs']:.0f}", f"{100 * r['hbm']:.0f}%", twin, r["cfg"], topk, default]
+            f"{r['gbs']:.0f}", f"{100 * r['hbm']:.0f}%", twin, r["cfg"], topk, topk_pdl, default]
 
 
 def main() -> int:
