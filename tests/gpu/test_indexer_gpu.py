@@ -13,13 +13,14 @@ from bench.gpu_check_attention import check_indexer
 from kernels.indexer import IndexerConfig
 
 
-@pytest.mark.parametrize("kv_format", ["fp8", "bf16"])
+CASES = [("fp8", None), ("bf16", None), ("fp8", IndexerConfig(block_t=64, prefetch=True)),
+         ("bf16", IndexerConfig(block_t=64, prefetch=True)),
+         ("fp8", IndexerConfig(block_t=128, num_warps=8, num_stages=3))]  # a bf16 page holds 704 keys: no 128-key tiles
+
+
+@pytest.mark.parametrize("kv_format, config", CASES, ids=["fp8", "bf16", "fp8-t64-prefetch", "bf16-t64-prefetch",
+                                                          "fp8-t128w8"])
 @pytest.mark.parametrize("extend", [False, True], ids=["decode", "extend"])
-@pytest.mark.parametrize("config", [None, IndexerConfig(block_t=64, prefetch=True),
-                                    IndexerConfig(block_t=128, num_warps=8, num_stages=3)],
-                         ids=["default", "t64-prefetch", "t128w8"])
-def test_indexer_matches_twin_at_glm_shapes(kv_format: str, extend: bool, config: IndexerConfig | None) -> None:
-    if config is not None and config.block_t == 128 and kv_format == "bf16":
-        pytest.skip("a bf16 indexer page holds 704 keys: 128-key tiles do not divide it")
+def test_indexer_matches_twin_at_glm_shapes(kv_format: str, config: IndexerConfig | None, extend: bool) -> None:
     gen = torch.Generator(device="cuda").manual_seed(7 + extend + len(kv_format))
     assert check_indexer(kv_format, extend, gen, config)
