@@ -28,6 +28,12 @@ cut into chunks of `WIDE_CHUNK` scores, one program each, and select by radix:
    before it.
 The same positions as the one-program kernel and the sort, in 5 launches whose
 programs each hold 4,096 scores, instead of one program per row (or a sort).
+A one-launch form (`radix_topk_positions(..., one_launch=True)`) keeps the first
+pass and lets the row's last chunk to arrive finish alone: three passes of one
+program over the row fix the other bytes, a fourth places the chosen positions
+with running counts. It trades four launches, their chains of dependent steps
+and the later passes' histograms over every key for one program reading the row
+four times; `bench/topk.py` times both.
 No host synchronisation, shapes fixed by (R, W, K): CUDA-graph capturable.
 Contents: the twin `topk_positions_ref`, the kernels and the launcher
 `topk_positions`.
@@ -101,12 +107,78 @@ def _chunk_keys(scores_ptr, r, c, width, stride_s, CHUNK: tl.constexpr):
     return cols, inside, key
 
 
+@triton.jit
+def _byte_histogram(key, match, cols, PASS: tl.constexpr):
+    """[512] counts of the matching keys by their byte PASS from the top (bins 0-255; bins 256-511 are dropped).
+    The GPU counts each key of a histogram with a shared-memory atomic add, so equal keys in a warp wait on one
+    another. The indexer's common values, 0.0 (ReLU) and -inf (past a row's length), are counted by sums
+    instead; they, and the keys that do not match, go to bins 256-511 spread by column."""
+    shift: tl.constexpr = 24 - 8 * PASS
+    digit = ((key >> shift) & 0xFF).to(tl.int32)
+    zero = match & (key == _ZERO_KEY)
+    neg_inf = match & (key == _NEG_INF_KEY)
+    rest = match & ~zero & ~neg_inf
+    hist = tl.histogram(tl.where(rest, digit, 256 + (cols & 255)), 512)
+    all_bins = tl.arange(0, 512)
+    hist += tl.where(all_bins == (_ZERO_KEY >> shift) & 0xFF, tl.sum(zero.to(tl.int32)), 0)
+    hist += tl.where(all_bins == (_NEG_INF_KEY >> shift) & 0xFF, tl.sum(neg_inf.to(tl.int32)), 0)
+    return hist
+
+
+@triton.jit
+def _pick_byte(total, bins, need):
+    """The byte whose keys hold the need-th largest of `total` (counts by byte; bins 256 and up hold none),
+    and the keys whose byte is above it."""
+    at_or_above = tl.sum(total) - tl.cumsum(total, 0) + total  # keys whose byte is >= each bin
+    byte = tl.max(tl.where(at_or_above >= need, bins, -1))
+    return byte, tl.sum(tl.where(bins > byte, total, 0))
+
+
+@triton.jit
+def _place(out_ptr, r, stride_o, cols, inside, key, kth, above_before, ties_before, ties_wanted):
+    """Writes the chosen positions among `cols`: keys above T and the row's first `ties_wanted` ties (by
+    position), after `above_before` keys above T and `ties_before` ties at earlier positions of the row."""
+    ties_here = tl.maximum(ties_wanted - ties_before, 0)
+    above = inside & (key > kth)
+    tie = inside & (key == kth)
+    before = tl.cumsum(tl.where(above, 1, 0) + tl.where(tie, 1 << 16, 0), 0)
+    take = above | (tie & ((before >> 16) - 1 < ties_here))
+    place = (above_before + tl.minimum(ties_before, ties_wanted)
+             + (before & 0xFFFF) + tl.minimum(before >> 16, ties_here) - 1)
+    tl.store(out_ptr + r * stride_o + place, cols.to(out_ptr.dtype.element_ty), mask=take)
+
+
+@triton.jit
+def _select_rest_of_row(scores_ptr, out_ptr, r, width, stride_s, stride_o, prefix, need, CHUNK: tl.constexpr):
+    """One program finishes a row's select once T's first byte is fixed: three passes over the row, chunk by
+    chunk, fix the other bytes, then a fourth places the chosen positions in order."""
+    bins = tl.arange(0, 512)
+    for p in tl.static_range(1, 4):
+        total = tl.zeros([512], dtype=tl.int32)
+        for c0 in range(0, width, CHUNK):
+            cols, inside, key = _chunk_keys(scores_ptr, r, c0 // CHUNK, width, stride_s, CHUNK)
+            total += _byte_histogram(key, inside & ((key >> (32 - 8 * p)) == prefix), cols, p)
+        byte, above = _pick_byte(tl.where(bins < 256, total, 0), bins, need)
+        need -= above
+        prefix = (prefix << 8) | byte.to(tl.uint32)
+    num_above = need * 0
+    num_ties = need * 0
+    for c0 in range(0, width, CHUNK):
+        cols, inside, key = _chunk_keys(scores_ptr, r, c0 // CHUNK, width, stride_s, CHUNK)
+        _place(out_ptr, r, stride_o, cols, inside, key, prefix, num_above, num_ties, need)
+        num_above += tl.sum((inside & (key > prefix)).to(tl.int32))
+        num_ties += tl.sum((inside & (key == prefix)).to(tl.int32))
+
+
 @triton.jit(do_not_specialize=["width", "k", "num_chunks"])
-def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr, width, k, num_chunks, stride_s,
-                       PASS: tl.constexpr, CHUNK: tl.constexpr, TILE_C: tl.constexpr, PDL: tl.constexpr):
+def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr, out_ptr, width, k, num_chunks,
+                       stride_s, stride_o, PASS: tl.constexpr, CHUNK: tl.constexpr, TILE_C: tl.constexpr,
+                       TAIL: tl.constexpr, PDL: tl.constexpr):
     """Pass PASS (0-3) of the radix select: this chunk's histogram of the keys that match T's bytes fixed so
     far, by their next byte; the row's last chunk to arrive fixes that byte (state: T's bytes so far, and how
-    many of the matching keys are still to take) and adds, per chunk, the keys above T this byte separates."""
+    many of the matching keys are still to take) and adds, per chunk, the keys above T this byte separates.
+    With TAIL (pass 0 only) the last chunk to arrive instead finishes the row alone (`_select_rest_of_row`):
+    the whole select in one launch."""
     pdl.begin(PDL)
     pdl.wait(PDL)
     c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -120,18 +192,9 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr
         prefix = tl.load(state_ptr + r * 2).to(tl.uint32)
         need = tl.load(state_ptr + r * 2 + 1)
         match = inside & ((key >> (shift + 8)) == prefix)
-    digit = ((key >> shift) & 0xFF).to(tl.int32)
+    hist = _byte_histogram(key, match, cols, PASS)
     bins = tl.arange(0, 256)
-    # The GPU counts each key of a histogram with a shared-memory atomic add, so equal keys in a warp wait on
-    # one another. The indexer's common values, 0.0 (ReLU) and -inf (past a row's length), are counted by sums
-    # instead; they, and the keys that no longer match, go to bins 256-511 spread by column, which are dropped.
-    zero = match & (key == _ZERO_KEY)
-    neg_inf = match & (key == _NEG_INF_KEY)
-    rest = match & ~zero & ~neg_inf
-    hist = tl.histogram(tl.where(rest, digit, 256 + (cols & 255)), 512)
     all_bins = tl.arange(0, 512)
-    hist += tl.where(all_bins == (_ZERO_KEY >> shift) & 0xFF, tl.sum(zero.to(tl.int32)), 0)
-    hist += tl.where(all_bins == (_NEG_INF_KEY >> shift) & 0xFF, tl.sum(neg_inf.to(tl.int32)), 0)
     row_hist = hist_ptr + r * num_chunks * 256
     tl.store(row_hist + c * 256 + all_bins, hist, mask=all_bins < 256)
     tl.debug_barrier()  # the whole histogram is stored before the arrival is counted
@@ -145,23 +208,25 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr
             tile = tl.load(row_hist + (j0 + tile_c)[:, None] * 256 + bins[None, :], mask=tile_mask, other=0,
                            cache_modifier=".cg")
             total += tl.sum(tile, 0)
-        at_or_above = tl.sum(total) - tl.cumsum(total, 0) + total  # keys whose byte is >= each bin
-        byte = tl.max(tl.where(at_or_above >= need, bins, -1))  # the K-th largest key's byte
-        above = tl.sum(tl.where(bins > byte, total, 0))
-        tl.store(state_ptr + r * 2, (prefix.to(tl.int64) << 8) | byte)
-        tl.store(state_ptr + r * 2 + 1, need - above)
-        for j0 in range(0, num_chunks, TILE_C):  # per chunk: keys above T found at this byte (last: its ties)
-            in_row = j0 + tile_c < num_chunks
-            tile = tl.load(row_hist + (j0 + tile_c)[:, None] * 256 + bins[None, :], mask=in_row[:, None], other=0,
-                           cache_modifier=".cg")
-            chunk_above = tl.sum(tl.where(bins[None, :] > byte, tile, 0), 1)
-            counted = counts_ptr + (r * num_chunks + j0 + tile_c) * 2
-            if PASS == 0:
-                tl.store(counted, chunk_above, mask=in_row)
-            else:
-                tl.store(counted, tl.load(counted, mask=in_row, other=0) + chunk_above, mask=in_row)
-            if PASS == 3:
-                tl.store(counted + 1, tl.sum(tl.where(bins[None, :] == byte, tile, 0), 1), mask=in_row)
+        byte, above = _pick_byte(total, bins, need)
+        if TAIL:
+            _select_rest_of_row(scores_ptr, out_ptr, r, width, stride_s, stride_o, byte.to(tl.uint32),
+                                need - above, CHUNK)
+        else:
+            tl.store(state_ptr + r * 2, (prefix.to(tl.int64) << 8) | byte)
+            tl.store(state_ptr + r * 2 + 1, need - above)
+            for j0 in range(0, num_chunks, TILE_C):  # per chunk: keys above T found at this byte (last: its ties)
+                in_row = j0 + tile_c < num_chunks
+                tile = tl.load(row_hist + (j0 + tile_c)[:, None] * 256 + bins[None, :], mask=in_row[:, None],
+                               other=0, cache_modifier=".cg")
+                chunk_above = tl.sum(tl.where(bins[None, :] > byte, tile, 0), 1)
+                counted = counts_ptr + (r * num_chunks + j0 + tile_c) * 2
+                if PASS == 0:
+                    tl.store(counted, chunk_above, mask=in_row)
+                else:
+                    tl.store(counted, tl.load(counted, mask=in_row, other=0) + chunk_above, mask=in_row)
+                if PASS == 3:
+                    tl.store(counted + 1, tl.sum(tl.where(bins[None, :] == byte, tile, 0), 1), mask=in_row)
         tl.atomic_xchg(arrivals_ptr + r, 0, sem="relaxed", scope="gpu")  # re-armed for the next pass
 
 
@@ -180,30 +245,25 @@ def _radix_place_kernel(scores_ptr, state_ptr, counts_ptr, out_ptr, width, num_c
     mask = earlier < c
     above_before = tl.sum(tl.load(counts_ptr + (r * num_chunks + earlier) * 2, mask=mask, other=0))
     ties_before = tl.sum(tl.load(counts_ptr + (r * num_chunks + earlier) * 2 + 1, mask=mask, other=0))
-    ties_here = tl.maximum(ties_wanted - ties_before, 0)
-    above = inside & (key > kth)
-    tie = inside & (key == kth)
-    before = tl.cumsum(tl.where(above, 1, 0) + tl.where(tie, 1 << 16, 0), 0)
-    take = above | (tie & ((before >> 16) - 1 < ties_here))
-    place = (above_before + tl.minimum(ties_before, ties_wanted)
-             + (before & 0xFFFF) + tl.minimum(before >> 16, ties_here) - 1)
-    tl.store(out_ptr + r * stride_o + place, cols.to(out_ptr.dtype.element_ty), mask=take)
+    _place(out_ptr, r, stride_o, cols, inside, key, kth, above_before, ties_before, ties_wanted)
 
 
 def radix_topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
-                         chunk: int = WIDE_CHUNK) -> torch.Tensor:
+                         chunk: int = WIDE_CHUNK, one_launch: bool = False) -> torch.Tensor:
     """`topk_positions` by the radix select in chunks of `chunk` scores (a power of two), at any width:
-    what rows wider than MAX_KERNEL_WIDTH take (module docstring)."""
+    what rows wider than MAX_KERNEL_WIDTH take (module docstring). `one_launch`: the chunks fix T's first byte
+    and the row's last chunk to arrive finishes the select alone (one launch instead of five, the last three
+    bytes and the placement each one pass of one program over the row); `bench/topk.py` times both."""
     _check(scores, k, kernel=True)
     if chunk < 16 or chunk & (chunk - 1) or chunk >= 1 << 16:
         raise ValueError(f"chunk must be a power of two in [16, 32768], got {chunk}")
     out = _out(scores, k, out)
     if scores.shape[0]:
-        _radix_select(scores, k, out, chunk)
+        _radix_select(scores, k, out, chunk, one_launch)
     return out
 
 
-def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int) -> None:
+def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int, one_launch: bool = False) -> None:
     """The radix select's launches for checked inputs (at least one row). Always plain launches, also inside
     `pdl.launches(True)`: with programmatic dependent launch the scoring + selection of a 64K-128K row took
     1.2-1.5x as long (H200, B = 1 / 8 at 128K: 90 / 146 us against 72 / 123; bench/RESULTS.md); the first pass
@@ -216,12 +276,14 @@ def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int) -
     arrivals = torch.zeros(rows, dtype=torch.int32, device=scores.device)
     grid = (num_chunks, rows)
     with pdl.launches(False):
-        for p in range(4):
-            _radix_pass_kernel[grid](scores, hist, state, counts, arrivals, width, k, num_chunks, scores.stride(0),
-                                     PASS=p, CHUNK=chunk, TILE_C=16, num_warps=4, **pdl.launch_options(scores.device))
-        _radix_place_kernel[grid](scores, state, counts, out, width, num_chunks, scores.stride(0), out.stride(0),
-                                  CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4,
-                                  **pdl.launch_options(scores.device))
+        for p in range(1 if one_launch else 4):
+            _radix_pass_kernel[grid](scores, hist, state, counts, arrivals, out, width, k, num_chunks,
+                                     scores.stride(0), out.stride(0), PASS=p, CHUNK=chunk, TILE_C=16,
+                                     TAIL=one_launch, num_warps=4, **pdl.launch_options(scores.device))
+        if not one_launch:
+            _radix_place_kernel[grid](scores, state, counts, out, width, num_chunks, scores.stride(0), out.stride(0),
+                                      CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4,
+                                      **pdl.launch_options(scores.device))
 
 
 def _check(scores: torch.Tensor, k: int, kernel: bool) -> None:
