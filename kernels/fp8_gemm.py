@@ -223,17 +223,22 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv
 
 
 @triton.jit
+def to_e4m3(y, SOFT_CVT: tl.constexpr):
+    """float32 -> e4m3, saturated at +-448 and rounded to nearest even as torch rounds: in integer arithmetic
+    under SOFT_CVT (the interpreter), by the hardware's conversion otherwise."""
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    if SOFT_CVT:
+        return _e4m3_bits(y).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return y.to(tl.float8e4nv)
+
+
+@triton.jit
 def _quantize_groups(x, SOFT_CVT: tl.constexpr):
     """x [R, 128] float32, one quantisation group per row -> (q [R, 128] fp8e4nv, scales [R] float32)."""
     amax = tl.max(tl.abs(x), axis=1)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
     y = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    if SOFT_CVT:
-        q = _e4m3_bits(y).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    else:
-        q = y.to(tl.float8e4nv)
-    return q, scale
+    return to_e4m3(y, SOFT_CVT), scale
 
 
 @triton.jit

@@ -47,8 +47,7 @@ import triton
 import triton.language as tl
 
 from kernels import fp8_rows, pdl
-from kernels.fp8_gemm import _soft_cvt
-from kernels.fp8_pack import _e4m3_bits
+from kernels.fp8_gemm import _soft_cvt, to_e4m3
 from kernels.topk import topk_positions, topk_positions_ref
 
 
@@ -133,9 +132,8 @@ def _select(scores: torch.Tensor, visible: torch.Tensor, topk: int, kernel: bool
 # --- PyTorch twins -------------------------------------------------------------------
 
 
-def _decode_keys(rows: torch.Tensor, kv_format: str, dim: int) -> torch.Tensor:
-    if kv_format == "fp8":
-        return fp8_rows.unpack_indexer_rows(rows, dim)
+def _decode_keys(rows: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """bf16 or float32 key rows -> float32 (FP8 keys are split into values and scales instead)."""
     src = torch.float32 if kv_format == "float32" else torch.bfloat16
     return rows.contiguous().view(src).float()
 
@@ -165,7 +163,7 @@ def indexer_scores_ref(
         scores = torch.einsum("nhw,nh->nw", logits, weights.float() * q_scales.reshape(n, hi))
         scores = scores * (k_scales.reshape(n, width) * scale)
     else:
-        keys = _decode_keys(rows.reshape(n * width, -1), kv_format, dim).reshape(n, width, dim)
+        keys = _decode_keys(rows.reshape(n * width, -1), kv_format).reshape(n, width, dim)
         logits = torch.relu(torch.einsum("nhd,nwd->nhw", q.float(), keys) * scale)
         scores = torch.einsum("nhw,nh->nw", logits, weights.float())
     scores = scores.masked_fill(~valid, float("-inf"))
@@ -214,17 +212,13 @@ def _load_keys(kv_ptr, sc_ptr, table_row, t0, visible, num_table_pages, stride_k
 @triton.jit
 def _quantize_query(x, SOFT_CVT: tl.constexpr):
     """x [H, Di] float32 -> (e4m3 [H, Di], scales [H]) as `fp8_rows.quantize_query_rows`: one IEEE division a
-    head, then products (the integer rounding under SOFT_CVT, as the interpreter needs; the hardware's
-    conversion on a GPU rounds the same way)."""
+    head, then products."""
     amax = tl.max(tl.abs(x), axis=1)
     some = amax > 0
     safe = tl.where(some, amax, 1.0)
     inv = tl.where(some, tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), safe), 1.0)
     scale = tl.where(some, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
-    y = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
-    if SOFT_CVT:
-        return _e4m3_bits(y).to(tl.uint8).to(tl.float8e4nv, bitcast=True), scale
-    return y.to(tl.float8e4nv), scale
+    return to_e4m3(x * inv[:, None], SOFT_CVT), scale
 
 
 # Sizes that change from step to step are not specialised on: a new batch shape reuses the compiled kernel.
@@ -285,12 +279,6 @@ def _indexer_score_kernel(
 
 _COMPUTE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 _FMT_CODE = {"fp8": 0, "bf16": 1, "float32": 2}
-
-
-def compute_dtype(q_dtype: torch.dtype):
-    """Operand dtype of the dot for bf16 and float32 keys: the query dtype (float32 queries dot in IEEE
-    float32). FP8 keys always take FP8 queries."""
-    return _COMPUTE[q_dtype]
 
 
 def _check(q, weights, kv, page_table, row_to_req, ctx_lens, limits, kv_format, block_t) -> None:
@@ -366,7 +354,7 @@ def indexer_scores(
         q, weights, values, scales, page_table, row_to_req, visible, scores,
         q.stride(0), q.stride(1), weights.stride(0), values.stride(0), scales.stride(0), page_table.stride(0),
         scores.stride(0), hi, page_table.shape[1], width, scale, tiles,
-        DI=di, TOKENS=kv.tokens_per_page, KV_FMT=_FMT_CODE[kv_format], COMPUTE=compute_dtype(q.dtype),
+        DI=di, TOKENS=kv.tokens_per_page, KV_FMT=_FMT_CODE[kv_format], COMPUTE=_COMPUTE[q.dtype],
         ROW=values.shape[2],
         IEEE=q.dtype == torch.float32, BLOCK_H=max(16, triton.next_power_of_2(hi)),
         BLOCK_T=cfg.block_t, PREFETCH=cfg.prefetch, SOFT_CVT=_soft_cvt(), num_warps=cfg.num_warps,

@@ -173,14 +173,12 @@ def _select_rest_of_row(scores_ptr, out_ptr, r, width, stride_s, stride_o, prefi
 @triton.jit(do_not_specialize=["width", "k", "num_chunks"])
 def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr, out_ptr, width, k, num_chunks,
                        stride_s, stride_o, PASS: tl.constexpr, CHUNK: tl.constexpr, TILE_C: tl.constexpr,
-                       TAIL: tl.constexpr, PDL: tl.constexpr):
+                       TAIL: tl.constexpr):
     """Pass PASS (0-3) of the radix select: this chunk's histogram of the keys that match T's bytes fixed so
     far, by their next byte; the row's last chunk to arrive fixes that byte (state: T's bytes so far, and how
     many of the matching keys are still to take) and adds, per chunk, the keys above T this byte separates.
     With TAIL (pass 0 only) the last chunk to arrive instead finishes the row alone (`_select_rest_of_row`):
     the whole select in one launch."""
-    pdl.begin(PDL)
-    pdl.wait(PDL)
     c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
     shift: tl.constexpr = 24 - 8 * PASS
     cols, inside, key = _chunk_keys(scores_ptr, r, c, width, stride_s, CHUNK)
@@ -232,11 +230,9 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr
 
 @triton.jit(do_not_specialize=["width", "num_chunks"])
 def _radix_place_kernel(scores_ptr, state_ptr, counts_ptr, out_ptr, width, num_chunks, stride_s, stride_o,
-                        CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+                        CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
     """Writes chunk c's chosen positions: its keys above T and the row's first ties (by position) that fall
     in it, after the chosen keys of the chunks before it, in ascending position order."""
-    pdl.begin(PDL)
-    pdl.wait(PDL)
     c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
     cols, inside, key = _chunk_keys(scores_ptr, r, c, width, stride_s, CHUNK)
     kth = tl.load(state_ptr + r * 2).to(tl.uint32)
@@ -264,10 +260,11 @@ def radix_topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None 
 
 
 def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int, one_launch: bool = False) -> None:
-    """The radix select's launches for checked inputs (at least one row). Always plain launches, also inside
-    `pdl.launches(True)`: with programmatic dependent launch the scoring + selection of a 64K-128K row took
-    1.2-1.5x as long (H200, B = 1 / 8 at 128K: 90 / 146 us against 72 / 123; bench/RESULTS.md); the first pass
-    still follows the scoring in stream order and the kernel after the last one waits for it to complete."""
+    """The radix select's launches for checked inputs (at least one row). Its kernels never launch with
+    programmatic dependent launch, also inside `pdl.launches(True)`: with it the scoring + selection of a
+    64K-128K row took 1.2-1.5x as long (H200, B = 1 / 8 at 128K: 90 / 146 us against 72 / 123;
+    bench/RESULTS.md); the first pass follows the scoring in stream order and the kernel after the last one
+    starts when it completes."""
     rows, width = scores.shape
     num_chunks = triton.cdiv(width, chunk)
     hist = torch.empty(rows, num_chunks, 256, dtype=torch.int32, device=scores.device)  # a bin per byte value
@@ -275,15 +272,12 @@ def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int, o
     counts = torch.empty(rows, num_chunks, 2, dtype=torch.int32, device=scores.device)  # per chunk: above T, ties
     arrivals = torch.zeros(rows, dtype=torch.int32, device=scores.device)
     grid = (num_chunks, rows)
-    with pdl.launches(False):
-        for p in range(1 if one_launch else 4):
-            _radix_pass_kernel[grid](scores, hist, state, counts, arrivals, out, width, k, num_chunks,
-                                     scores.stride(0), out.stride(0), PASS=p, CHUNK=chunk, TILE_C=16,
-                                     TAIL=one_launch, num_warps=4, **pdl.launch_options(scores.device))
-        if not one_launch:
-            _radix_place_kernel[grid](scores, state, counts, out, width, num_chunks, scores.stride(0), out.stride(0),
-                                      CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4,
-                                      **pdl.launch_options(scores.device))
+    for p in range(1 if one_launch else 4):
+        _radix_pass_kernel[grid](scores, hist, state, counts, arrivals, out, width, k, num_chunks, scores.stride(0),
+                                 out.stride(0), PASS=p, CHUNK=chunk, TILE_C=16, TAIL=one_launch, num_warps=4)
+    if not one_launch:
+        _radix_place_kernel[grid](scores, state, counts, out, width, num_chunks, scores.stride(0), out.stride(0),
+                                  CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4)
 
 
 def _check(scores: torch.Tensor, k: int, kernel: bool) -> None:
