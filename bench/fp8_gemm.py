@@ -48,6 +48,7 @@ SHAPES = {  # name: (N, K) of one TP8 rank
     "mlp_down": (6144, 1536),
 }
 MS = (1, 8, 32, 64, 128)
+GEMV_SWEEP_ROWS = 8  # up to this many tokens the sweep also times the GEMV (one program per token and row tile)
 ROTATE_BYTES = 256 << 20  # weight copies per timed graph, well beyond the 50 MB L2
 
 log = run_log("fp8_gemm")
@@ -72,7 +73,7 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[FP8GemmConfig]:
             c = FP8GemmConfig(block_m=bm, block_n=bn, split_k=split, swap_ab=swap, num_warps=4, num_stages=4)
             if c not in out:
                 out.append(c)
-    if m == 1:  # one token: GEMV tiles (rows per program, columns per unrolled K tile, warps)
+    if m <= GEMV_SWEEP_ROWS:  # GEMV tiles (rows per program, columns per unrolled K tile, warps), a program a token
         for bn in (4, 8, 16):
             for bk in (512, 1024, 2048):
                 for warps in (4, 8):

@@ -5,8 +5,7 @@ sums: exact zeros and repeats, -inf past each row's length), at the widths the
 engine scores (an 8K context's 12K bucket, 16K, 128K and 1M) and B = 1, 8, 64
 rows. For each case: the median time per call in a CUDA graph of
 `topk_positions` at a few warp counts (rows wider than `MAX_KERNEL_WIDTH` take
-the chunked radix select: its default chunk, `WIDE_CHUNK`, beside other chunk sizes, and its one-launch
-form, where the row's last chunk finishes the select), the
+the chunked radix select: its default chunk, `WIDE_CHUNK`, beside other chunk sizes), the
 stable sort it replaced (`scores.sort(descending=True, stable=True)`, the engine's
 former selection) and `torch.topk` (ties broken arbitrarily: not usable as is,
 shown for scale), each checked or timed side by side in one run; and the
@@ -29,7 +28,7 @@ import torch  # noqa: E402
 
 from bench.timing import OUT_DIR, bench_graph, hbm_copy_gbs, run_log  # noqa: E402
 from kernels.topk import (  # noqa: E402
-    MAX_KERNEL_WIDTH, WIDE_CHUNK, radix_topk_positions, topk_positions, topk_positions_ref,
+    MAX_KERNEL_WIDTH, radix_topk_positions, topk_positions, topk_positions_ref,
 )
 
 K = 2048
@@ -51,15 +50,12 @@ def indexer_like(rows: int, width: int, seed: int) -> torch.Tensor:
 
 def candidates(width: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], object]]:
     """The forms timed at `width`, by label (scores, out): the launcher's default, then the one-program kernel
-    at other warp counts, or the radix select at other chunk sizes than `WIDE_CHUNK` and in one launch."""
+    at other warp counts, or the radix select at other chunk sizes than `WIDE_CHUNK`."""
     forms = {"default": lambda s, out: topk_positions(s, K, out)}
     if width <= MAX_KERNEL_WIDTH:
         forms |= {f"{w} warps": lambda s, out, w=w: topk_positions(s, K, out, num_warps=w) for w in WARPS}
     else:
         forms |= {f"chunk {c}": lambda s, out, c=c: radix_topk_positions(s, K, out, chunk=c) for c in CHUNKS}
-        forms |= {f"one launch, chunk {c}": lambda s, out, c=c: radix_topk_positions(s, K, out, chunk=c,
-                                                                                    one_launch=True)
-                  for c in (WIDE_CHUNK,) + CHUNKS}
     return forms
 
 

@@ -84,17 +84,13 @@ def test_topk_warps(num_warps):
     (3, 700, 300, 16),  # 44 chunks, K larger than a chunk
     (2, 5000, 2048, 256),
 ])
-@pytest.mark.parametrize("one_launch", [False, True], ids=["five-launches", "one-launch"])
-def test_radix_select_matches_stable_sort(rows, width, k, chunk, one_launch):
-    """The chunked radix select (wide rows) at small widths through small chunks, in five launches and in one
-    (the row's last chunk finishing the select): the same positions."""
+def test_radix_select_matches_stable_sort(rows, width, k, chunk):
+    """The chunked radix select (wide rows) at small widths through small chunks: the same positions."""
     scores = indexer_like(rows, width, seed=rows * width + k)
-    got = radix_topk_positions(scores, k, chunk=chunk, one_launch=one_launch)
-    assert torch.equal(got, topk_positions_ref(scores, k))
+    assert torch.equal(radix_topk_positions(scores, k, chunk=chunk), topk_positions_ref(scores, k))
 
 
-@pytest.mark.parametrize("one_launch", [False, True], ids=["five-launches", "one-launch"])
-def test_radix_select_signed_values_ties_across_chunks_and_int32_out(one_launch):
+def test_radix_select_signed_values_ties_across_chunks_and_int32_out():
     """Negative scores, -0.0 against 0.0 across chunks, a row of one repeated value (every key ties: the first
     K positions, taken over several chunks), a row of -inf; into a view, nothing written past K."""
     gen = torch.Generator().manual_seed(6)
@@ -104,7 +100,7 @@ def test_radix_select_signed_values_ties_across_chunks_and_int32_out(one_launch)
     scores[2] = 0.5
     scores[3] = float("-inf")
     buf = torch.full((4, 140), -7, dtype=torch.int32)
-    out = radix_topk_positions(scores, 130, out=buf[:, :130], chunk=32, one_launch=one_launch)
+    out = radix_topk_positions(scores, 130, out=buf[:, :130], chunk=32)
     assert torch.equal(out.long(), topk_positions_ref(scores, 130))
     assert torch.equal(out[2], torch.arange(130, dtype=torch.int32)) and torch.equal(out[3], out[2])
     assert (buf[:, 130:] == -7).all()

@@ -1,13 +1,13 @@
 """The indexer's top-K on the GPU at the indexer's real widths (K = 2048 of 8K to 1M scores, a batch of
-rows; from 16K the chunked radix select, in five launches or in one) equals its twin, the stable sort, exactly,
-and replays in a CUDA graph."""
+rows; from 16K the chunked radix select) equals its twin, the stable sort, exactly, and replays in a CUDA
+graph."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.topk import radix_topk_positions, topk_positions, topk_positions_ref
+from kernels.topk import topk_positions, topk_positions_ref
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -41,18 +41,3 @@ def test_topk_in_a_cuda_graph(width):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, topk_positions_ref(scores, 2048))
-
-
-@pytest.mark.parametrize("rows, width", [(1, 131072), (8, 20000), (64, 65536), (1, 1 << 20)])
-def test_one_launch_radix_select_equals_the_stable_sort_and_replays(rows, width):
-    scores = indexer_like(rows, width, seed=rows * 7 + width)
-    out = torch.empty(rows, 2048, dtype=torch.int64, device="cuda")
-    radix_topk_positions(scores, 2048, out=out, one_launch=True)
-    assert torch.equal(out, topk_positions_ref(scores, 2048))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        radix_topk_positions(scores, 2048, out=out, one_launch=True)
-    scores.copy_(indexer_like(rows, width, seed=width))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, topk_positions_ref(scores, 2048))
