@@ -2,10 +2,10 @@
 
 K = 2048 of each row of float32 scores shaped like the indexer's (ReLU-weighted
 sums: exact zeros and repeats, -inf past each row's length), at the widths the
-engine scores (an 8K context's 12K bucket, 16K, 128K and 1M) and B = 1, 8, 64
-rows. For each case: the median time per call in a CUDA graph of
+engine scores (an 8K context's 12K bucket, 16K, 64K, 128K, 256K and 1M) and B = 1
+to 64 rows. For each case: the median time per call in a CUDA graph of
 `topk_positions` at a few warp counts (rows wider than `MAX_KERNEL_WIDTH` take
-the chunked radix select: its default chunk, `WIDE_CHUNK`, beside other chunk sizes), the
+the chunked radix select: its default chunk, `wide_chunk`'s, beside other chunk sizes), the
 stable sort it replaced (`scores.sort(descending=True, stable=True)`, the engine's
 former selection) and `torch.topk` (ties broken arbitrarily: not usable as is,
 shown for scale), each checked or timed side by side in one run; and the
@@ -32,10 +32,11 @@ from kernels.topk import (  # noqa: E402
 )
 
 K = 2048
-CASES = ((1, 8192), (1, 12288), (8, 12288), (64, 12288), (1, 16384), (64, 16384), (1, 131072), (8, 131072),
-         (64, 131072), (1, 1 << 20))
+CASES = ((1, 8192), (1, 12288), (8, 12288), (64, 12288), (1, 16384), (64, 16384), (1, 65536), (8, 65536),
+         (64, 65536), (1, 131072), (2, 131072), (8, 131072), (16, 131072), (32, 131072), (64, 131072),
+         (1, 262144), (8, 262144), (1, 1 << 20), (8, 1 << 20))
 WARPS = (8, 16, 32)  # the one-program kernel's warps besides the launcher's default
-CHUNKS = (1024, 2048, 8192)  # the radix select's chunks (scores a program) besides WIDE_CHUNK
+CHUNKS = (1024, 2048, 4096, 8192)  # the radix select's chunks (scores a program), the default's among them
 
 log = run_log("topk")
 
@@ -50,7 +51,7 @@ def indexer_like(rows: int, width: int, seed: int) -> torch.Tensor:
 
 def candidates(width: int) -> dict[str, Callable[[torch.Tensor, torch.Tensor], object]]:
     """The forms timed at `width`, by label (scores, out): the launcher's default, then the one-program kernel
-    at other warp counts, or the radix select at other chunk sizes than `WIDE_CHUNK`."""
+    at other warp counts, or the radix select at each chunk size."""
     forms = {"default": lambda s, out: topk_positions(s, K, out)}
     if width <= MAX_KERNEL_WIDTH:
         forms |= {f"{w} warps": lambda s, out, w=w: topk_positions(s, K, out, num_warps=w) for w in WARPS}

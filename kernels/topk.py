@@ -16,7 +16,7 @@ registers:
 2. Compaction: the keys above T, and the first (by position) of those equal to
    T, are written in position order (one prefix sum counts both kinds).
 Wider rows (a full indexer layer at long context: 128K scores, up to 1M) are
-cut into chunks of `WIDE_CHUNK` scores, one program each, and select by radix:
+cut into chunks of 2,048 to 8,192 scores (`wide_chunk`), one program each, and select by radix:
 1. Four passes, one launch each, fix T a byte at a time from the top: every
    chunk counts its keys that match the bytes fixed so far by their next byte
    (a 256-bin histogram); the row's last chunk to arrive (an atomic counter per
@@ -27,13 +27,7 @@ cut into chunks of `WIDE_CHUNK` scores, one program each, and select by radix:
    the ties (the first ties of the row by position) after those of the chunks
    before it.
 The same positions as the one-program kernel and the sort, in 5 launches whose
-programs each hold 4,096 scores, instead of one program per row (or a sort).
-A one-launch form (`radix_topk_positions(..., one_launch=True)`) keeps the first
-pass and lets the row's last chunk to arrive finish alone: three passes of one
-program over the row fix the other bytes, a fourth places the chosen positions
-with running counts. It trades four launches, their chains of dependent steps
-and the later passes' histograms over every key for one program reading the row
-four times; `bench/topk.py` times both.
+programs each hold a chunk, instead of one program per row (or a sort).
 No host synchronisation, shapes fixed by (R, W, K): CUDA-graph capturable.
 Contents: the twin `topk_positions_ref`, the kernels and the launcher
 `topk_positions`.
@@ -50,7 +44,6 @@ from kernels.fp8_gemm import _interpreting
 
 
 MAX_KERNEL_WIDTH = 16384  # scores a row may have for the one-program kernel (held in registers)
-WIDE_CHUNK = 4096  # scores per program of the radix select of wider rows
 _ZERO_KEY: tl.constexpr = tl.constexpr(0x80000000)  # the key of 0.0 and -0.0
 _NEG_INF_KEY: tl.constexpr = tl.constexpr(0x007FFFFF)  # the key of -inf
 
@@ -148,37 +141,12 @@ def _place(out_ptr, r, stride_o, cols, inside, key, kth, above_before, ties_befo
     tl.store(out_ptr + r * stride_o + place, cols.to(out_ptr.dtype.element_ty), mask=take)
 
 
-@triton.jit
-def _select_rest_of_row(scores_ptr, out_ptr, r, width, stride_s, stride_o, prefix, need, CHUNK: tl.constexpr):
-    """One program finishes a row's select once T's first byte is fixed: three passes over the row, chunk by
-    chunk, fix the other bytes, then a fourth places the chosen positions in order."""
-    bins = tl.arange(0, 512)
-    for p in tl.static_range(1, 4):
-        total = tl.zeros([512], dtype=tl.int32)
-        for c0 in range(0, width, CHUNK):
-            cols, inside, key = _chunk_keys(scores_ptr, r, c0 // CHUNK, width, stride_s, CHUNK)
-            total += _byte_histogram(key, inside & ((key >> (32 - 8 * p)) == prefix), cols, p)
-        byte, above = _pick_byte(tl.where(bins < 256, total, 0), bins, need)
-        need -= above
-        prefix = (prefix << 8) | byte.to(tl.uint32)
-    num_above = need * 0
-    num_ties = need * 0
-    for c0 in range(0, width, CHUNK):
-        cols, inside, key = _chunk_keys(scores_ptr, r, c0 // CHUNK, width, stride_s, CHUNK)
-        _place(out_ptr, r, stride_o, cols, inside, key, prefix, num_above, num_ties, need)
-        num_above += tl.sum((inside & (key > prefix)).to(tl.int32))
-        num_ties += tl.sum((inside & (key == prefix)).to(tl.int32))
-
-
 @triton.jit(do_not_specialize=["width", "k", "num_chunks"])
-def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr, out_ptr, width, k, num_chunks,
-                       stride_s, stride_o, PASS: tl.constexpr, CHUNK: tl.constexpr, TILE_C: tl.constexpr,
-                       TAIL: tl.constexpr):
+def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr, width, k, num_chunks, stride_s,
+                       PASS: tl.constexpr, CHUNK: tl.constexpr, TILE_C: tl.constexpr):
     """Pass PASS (0-3) of the radix select: this chunk's histogram of the keys that match T's bytes fixed so
     far, by their next byte; the row's last chunk to arrive fixes that byte (state: T's bytes so far, and how
-    many of the matching keys are still to take) and adds, per chunk, the keys above T this byte separates.
-    With TAIL (pass 0 only) the last chunk to arrive instead finishes the row alone (`_select_rest_of_row`):
-    the whole select in one launch."""
+    many of the matching keys are still to take) and adds, per chunk, the keys above T this byte separates."""
     c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
     shift: tl.constexpr = 24 - 8 * PASS
     cols, inside, key = _chunk_keys(scores_ptr, r, c, width, stride_s, CHUNK)
@@ -207,24 +175,20 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr
                            cache_modifier=".cg")
             total += tl.sum(tile, 0)
         byte, above = _pick_byte(total, bins, need)
-        if TAIL:
-            _select_rest_of_row(scores_ptr, out_ptr, r, width, stride_s, stride_o, byte.to(tl.uint32),
-                                need - above, CHUNK)
-        else:
-            tl.store(state_ptr + r * 2, (prefix.to(tl.int64) << 8) | byte)
-            tl.store(state_ptr + r * 2 + 1, need - above)
-            for j0 in range(0, num_chunks, TILE_C):  # per chunk: keys above T found at this byte (last: its ties)
-                in_row = j0 + tile_c < num_chunks
-                tile = tl.load(row_hist + (j0 + tile_c)[:, None] * 256 + bins[None, :], mask=in_row[:, None],
-                               other=0, cache_modifier=".cg")
-                chunk_above = tl.sum(tl.where(bins[None, :] > byte, tile, 0), 1)
-                counted = counts_ptr + (r * num_chunks + j0 + tile_c) * 2
-                if PASS == 0:
-                    tl.store(counted, chunk_above, mask=in_row)
-                else:
-                    tl.store(counted, tl.load(counted, mask=in_row, other=0) + chunk_above, mask=in_row)
-                if PASS == 3:
-                    tl.store(counted + 1, tl.sum(tl.where(bins[None, :] == byte, tile, 0), 1), mask=in_row)
+        tl.store(state_ptr + r * 2, (prefix.to(tl.int64) << 8) | byte)
+        tl.store(state_ptr + r * 2 + 1, need - above)
+        for j0 in range(0, num_chunks, TILE_C):  # per chunk: keys above T found at this byte (last: its ties)
+            in_row = j0 + tile_c < num_chunks
+            tile = tl.load(row_hist + (j0 + tile_c)[:, None] * 256 + bins[None, :], mask=in_row[:, None],
+                           other=0, cache_modifier=".cg")
+            chunk_above = tl.sum(tl.where(bins[None, :] > byte, tile, 0), 1)
+            counted = counts_ptr + (r * num_chunks + j0 + tile_c) * 2
+            if PASS == 0:
+                tl.store(counted, chunk_above, mask=in_row)
+            else:
+                tl.store(counted, tl.load(counted, mask=in_row, other=0) + chunk_above, mask=in_row)
+            if PASS == 3:
+                tl.store(counted + 1, tl.sum(tl.where(bins[None, :] == byte, tile, 0), 1), mask=in_row)
         tl.atomic_xchg(arrivals_ptr + r, 0, sem="relaxed", scope="gpu")  # re-armed for the next pass
 
 
@@ -244,22 +208,36 @@ def _radix_place_kernel(scores_ptr, state_ptr, counts_ptr, out_ptr, width, num_c
     _place(out_ptr, r, stride_o, cols, inside, key, kth, above_before, ties_before, ties_wanted)
 
 
+def wide_chunk(rows: int, width: int) -> int:
+    """Scores per program of the radix select of `rows` rows of `width` scores: the best of chunks of 1,024 to
+    8,192 in H200 sweeps of `bench/topk.py` (bench/RESULTS.md, 2026-12-02, twelfth session). A smaller chunk
+    means more programs a pass, but more chunk histograms for the row's last arrival to add, one after the
+    other: 2,048 up to 64K scores (128K B = 64: 266 us against 302 at 4,096), 4,096 at 128K for 4-31 rows (B =
+    8: 67 against 76) and at 256K, 8,192 for one row of 1M (133 against 139)."""
+    if width <= 65536:
+        return 2048
+    if width <= 131072:
+        return 4096 if 4 <= rows < 32 else 2048
+    if width <= 262144 or rows > 1:
+        return 4096
+    return 8192
+
+
 def radix_topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
-                         chunk: int = WIDE_CHUNK, one_launch: bool = False) -> torch.Tensor:
-    """`topk_positions` by the radix select in chunks of `chunk` scores (a power of two), at any width:
-    what rows wider than MAX_KERNEL_WIDTH take (module docstring). `one_launch`: the chunks fix T's first byte
-    and the row's last chunk to arrive finishes the select alone (one launch instead of five, the last three
-    bytes and the placement each one pass of one program over the row); `bench/topk.py` times both."""
+                         chunk: int | None = None) -> torch.Tensor:
+    """`topk_positions` by the radix select in chunks of `chunk` scores (a power of two; default
+    `wide_chunk`), at any width: what rows wider than MAX_KERNEL_WIDTH take (module docstring)."""
     _check(scores, k, kernel=True)
+    chunk = chunk or wide_chunk(*scores.shape)
     if chunk < 16 or chunk & (chunk - 1) or chunk >= 1 << 16:
         raise ValueError(f"chunk must be a power of two in [16, 32768], got {chunk}")
     out = _out(scores, k, out)
     if scores.shape[0]:
-        _radix_select(scores, k, out, chunk, one_launch)
+        _radix_select(scores, k, out, chunk)
     return out
 
 
-def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int, one_launch: bool = False) -> None:
+def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int) -> None:
     """The radix select's launches for checked inputs (at least one row). Its kernels never launch with
     programmatic dependent launch, also inside `pdl.launches(True)`: with it the scoring + selection of a
     64K-128K row took 1.2-1.5x as long (H200, B = 1 / 8 at 128K: 90 / 146 us against 72 / 123;
@@ -272,12 +250,11 @@ def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int, o
     counts = torch.empty(rows, num_chunks, 2, dtype=torch.int32, device=scores.device)  # per chunk: above T, ties
     arrivals = torch.zeros(rows, dtype=torch.int32, device=scores.device)
     grid = (num_chunks, rows)
-    for p in range(1 if one_launch else 4):
-        _radix_pass_kernel[grid](scores, hist, state, counts, arrivals, out, width, k, num_chunks, scores.stride(0),
-                                 out.stride(0), PASS=p, CHUNK=chunk, TILE_C=16, TAIL=one_launch, num_warps=4)
-    if not one_launch:
-        _radix_place_kernel[grid](scores, state, counts, out, width, num_chunks, scores.stride(0), out.stride(0),
-                                  CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4)
+    for p in range(4):
+        _radix_pass_kernel[grid](scores, hist, state, counts, arrivals, width, k, num_chunks, scores.stride(0),
+                                 PASS=p, CHUNK=chunk, TILE_C=16, num_warps=4)
+    _radix_place_kernel[grid](scores, state, counts, out, width, num_chunks, scores.stride(0), out.stride(0),
+                              CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4)
 
 
 def _check(scores: torch.Tensor, k: int, kernel: bool) -> None:
@@ -312,7 +289,7 @@ def topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None
     if rows == 0:
         return out
     if width > MAX_KERNEL_WIDTH:
-        _radix_select(scores, k, out, WIDE_CHUNK)
+        _radix_select(scores, k, out, wide_chunk(rows, width))
         return out
     block = triton.next_power_of_2(width)
     _topk_kernel[(rows,)](scores, out, width, k, scores.stride(0), out.stride(0), BLOCK=block,
