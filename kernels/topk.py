@@ -212,8 +212,9 @@ def wide_chunk(rows: int, width: int) -> int:
     """Scores per program of the radix select of `rows` rows of `width` scores: the best of chunks of 1,024 to
     8,192 in H200 sweeps of `bench/topk.py` (bench/RESULTS.md, 2026-12-02, twelfth session). A smaller chunk
     means more programs a pass, but more chunk histograms for the row's last arrival to add, one after the
-    other: 2,048 up to 64K scores (128K B = 64: 266 us against 302 at 4,096), 4,096 at 128K for 4-31 rows (B =
-    8: 67 against 76) and at 256K, 8,192 for one row of 1M (133 against 139)."""
+    other, and a larger one a longer histogram a program: 2,048 up to 64K scores and at 128K outside 4-31 rows
+    (128K B = 64: 266 us against 302 at 4,096), 4,096 at 128K for 4-31 rows (B = 8: 67 against 76), at 256K and
+    at 1M from two rows, 8,192 for one row of 1M (133 against 139)."""
     if width <= 65536:
         return 2048
     if width <= 131072:
