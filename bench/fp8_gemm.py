@@ -1,8 +1,10 @@
 """Benchmark of the block-scaled FP8 GEMM (`kernels/fp8_gemm.py`) on one GPU at GLM-5.3 TP8 shapes.
 
-Linear layers of one rank (hidden 6144): q_a_proj [2048, 6144], q_b_proj
-[2048, 2048], kv_a_proj_with_mqa [576, 6144], o_proj [6144, 2048], MLP gate/up
-[1536, 6144], down [6144, 1536]; M = 1, 8, 32, 64, 128 bf16 rows (decode). For
+Linear layers of one rank (hidden 6144): q_kv_a_proj [2624, 6144] (q_a_proj
+[2048, 6144] and kv_a_proj_with_mqa [576, 6144] fused, as the engine runs them;
+also each alone), q_b_proj [2048, 2048], the indexer's wq_b [4096, 2048], o_proj
+[6144, 2048], MLP gate/up [1536, 6144], down [6144, 1536]; M = 1, 8, 32, 64, 128
+bf16 rows (decode). For
 each case: median time per call of a CUDA graph replaying the call over
 rotating weight copies (at least 256 MB of weights per replay, so weights come
 from HBM, not L2), weight bytes / time in GB/s and its share of the HBM copy
@@ -40,6 +42,8 @@ from kernels.fp8_gemm import (  # noqa: E402
 )
 
 SHAPES = {  # name: (N, K) of one TP8 rank
+    "q_kv_a_proj": (2624, 6144),  # q_a_proj and kv_a_proj_with_mqa as the engine fuses them
+    "wq_b": (4096, 2048),  # the indexer's query projection (full layers)
     "q_a_proj": (2048, 6144),
     "q_b_proj": (2048, 2048),
     "kv_a_proj_with_mqa": (576, 6144),
@@ -83,12 +87,16 @@ def candidates(m: int, n: int, k: int, sms: int) -> list[FP8GemmConfig]:
     return out
 
 
-def variants(best: FP8GemmConfig, k: int) -> list[FP8GemmConfig]:
+def variants(best: FP8GemmConfig, m: int, k: int) -> list[FP8GemmConfig]:
+    """Split, stage and warp variants of the best tiles: every split up to twice the best's at up to
+    GEMV_SWEEP_ROWS rows (where a split decides how many programs share the SMs), else halved and doubled."""
     if best.gemv:  # the GEMV's tiles were all candidates already
         return [best]
     kb = triton.cdiv(k, 128)
     out = [best]
-    for split in {1, max(1, best.split_k // 2), min(kb, best.split_k * 2)} - {best.split_k}:
+    splits = (range(1, min(kb, 2 * best.split_k) + 1) if m <= GEMV_SWEEP_ROWS
+              else {1, max(1, best.split_k // 2), min(kb, best.split_k * 2)})
+    for split in sorted(set(splits) - {best.split_k}):
         out.append(dataclasses.replace(best, split_k=split))
     for stages in (3, 5):
         out.append(dataclasses.replace(best, num_stages=stages))
@@ -115,7 +123,7 @@ def run_shape(name: str, n: int, k: int, ms_list, hbm: float, sms: int, sweep: b
         if sweep:
             found = pick(label, candidates(m, n, k, sms), lambda c: bench_graph(calls(c)), cfg_name, log)
             if found is not None:
-                found = pick(label, variants(found[0], k), lambda c: bench_graph(calls(c)), cfg_name, log)
+                found = pick(label, variants(found[0], m, k), lambda c: bench_graph(calls(c)), cfg_name, log)
             if found is not None and found[1] < best_ms:
                 best, best_ms = found
         ms16 = bench_graph([lambda ww=ww: torch.matmul(x, ww.T) for ww in w16])

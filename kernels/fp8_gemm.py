@@ -131,11 +131,11 @@ class FP8GemmConfig:
             block_m, swap = 64, False
         # 64-row weight tiles, split K to about one program per SM: the H200 sweep's best at M = 1-64 for every
         # GLM-5.3 shape (bench/RESULTS.md, 2026-11-30: 10-20 % below 128-row tiles at two programs per SM)
-        # (up to 4 rows, a verifying step of k = 3 at B = 1: five stages, 0.3-0.7 us less than four at four of six
-        # shapes in the M = 4 sweep of 2026-12-01)
+        # (up to 16 rows, the 16-token tiles: five stages, 0.2-0.4 us less than four at every engine shape in the
+        # M = 5, 8 and 16 sweeps of 2026-12-02 and 0.3-0.7 us at four of six shapes at M = 4 on 2026-12-01)
         block_n = 64
         return cls(block_m=block_m, block_n=block_n, split_k=cls.split_for(m, n, k, block_m, block_n, num_sms),
-                   swap_ab=swap, num_warps=4, num_stages=5 if m <= 4 else 4)
+                   swap_ab=swap, num_warps=4, num_stages=5 if m <= 16 else 4)
 
     @staticmethod
     def max_split(m: int, k: int) -> int:
