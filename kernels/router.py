@@ -97,6 +97,10 @@ def _router_logits_fma_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, arrivals_ptr, 
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
+_LOWEST_EXPERT_KEY: tl.constexpr = tl.constexpr(0x7FFFFFFF)  # a key's low half: this less the expert id
+_TAKEN: tl.constexpr = tl.constexpr(-(2**63))  # below every key: an expert already picked
+
+
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, scale, num_tokens, num_experts,
                    SPLITS: tl.constexpr, GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
@@ -112,31 +116,32 @@ def _router_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, scale, num_tokens
         logits += tl.load(logits_ptr + (s * num_tokens + t) * num_experts + e)
     scores = tl.sigmoid(logits)
     choice = scores + tl.load(bias_ptr + e)
-    neg = float("-inf")
-    # groups: the sum of each group's two best biased scores
-    best = tl.max(choice, 1)
-    first = tl.min(tl.where(choice == best[:, None], e, num_experts), 1)
-    second = tl.max(tl.where(e == first[:, None], neg, choice), 1)
-    group_score = best + second
-    allowed = tl.zeros([GROUPS, PER_GROUP], dtype=tl.int1)
-    gid = tl.arange(0, GROUPS)
-    for _ in tl.static_range(TOPK_GROUP):
-        top = tl.max(group_score, 0)
-        pick = tl.min(tl.where(group_score == top, gid, GROUPS), 0)
-        allowed = allowed | (g == pick)
-        group_score = tl.where(gid == pick, neg, group_score)
-    choice = tl.where(allowed, choice, neg)
-    # experts: TOPK best biased scores among the allowed groups
+    if GROUPS > 1:  # groups: the sum of each group's two best biased scores
+        neg = float("-inf")
+        best = tl.max(choice, 1)
+        first = tl.min(tl.where(choice == best[:, None], e, num_experts), 1)
+        second = tl.max(tl.where(e == first[:, None], neg, choice), 1)
+        group_score = best + second
+        allowed = tl.zeros([GROUPS, PER_GROUP], dtype=tl.int1)
+        gid = tl.arange(0, GROUPS)
+        for _ in tl.static_range(TOPK_GROUP):
+            top = tl.max(group_score, 0)
+            pick = tl.min(tl.where(group_score == top, gid, GROUPS), 0)
+            allowed = allowed | (g == pick)
+            group_score = tl.where(gid == pick, neg, group_score)
+        choice = tl.where(allowed, choice, neg)
+    # experts: TOPK best biased scores among the allowed groups, ties to the lower expert, one maximum a round:
+    # each score's bits as an integer of the same order above the expert id reversed (a sigmoid is never -0.0,
+    # nor is its sum with the bias, so equal scores have equal bits)
+    bits = choice.to(tl.int32, bitcast=True)
+    key = ((bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) << 32) | (-e + _LOWEST_EXPERT_KEY).to(tl.int64)
     slot = tl.arange(0, SLOTS)
     out_ids = tl.zeros([SLOTS], dtype=tl.int32)
-    out_w = tl.zeros([SLOTS], dtype=tl.float32)
     for k in tl.static_range(TOPK):
-        top = tl.max(tl.max(choice, 1), 0)
-        pick = tl.min(tl.min(tl.where(choice == top, e, num_experts), 1), 0)
-        w = tl.sum(tl.sum(tl.where(e == pick, scores, 0.0), 1), 0)
+        pick = (-(tl.max(tl.max(key, 1), 0) & 0xFFFFFFFF) + _LOWEST_EXPERT_KEY).to(tl.int32)
         out_ids = tl.where(slot == k, pick, out_ids)
-        out_w = tl.where(slot == k, w, out_w)
-        choice = tl.where(e == pick, neg, choice)
+        key = tl.where(e == pick, _TAKEN, key)
+    out_w = tl.gather(tl.reshape(scores, [GROUPS * PER_GROUP]), out_ids, 0)  # the unbiased scores
     routed = slot < TOPK
     if NORMALISE:
         out_w = out_w / (tl.sum(tl.where(routed, out_w, 0.0), 0) + 1e-20)
