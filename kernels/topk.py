@@ -120,8 +120,8 @@ def _byte_histogram(key, match, cols, PASS: tl.constexpr):
 
 @triton.jit
 def _pick_byte(total, bins, need):
-    """The byte whose keys hold the need-th largest of `total` (counts by byte; bins 256 and up hold none),
-    and the keys whose byte is above it."""
+    """The byte whose keys hold the need-th largest of `total` (counts by byte), and the keys whose byte is
+    above it."""
     at_or_above = tl.sum(total) - tl.cumsum(total, 0) + total  # keys whose byte is >= each bin
     byte = tl.max(tl.where(at_or_above >= need, bins, -1))
     return byte, tl.sum(tl.where(bins > byte, total, 0))
