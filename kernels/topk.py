@@ -229,7 +229,8 @@ def radix_topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None 
     """`topk_positions` by the radix select in chunks of `chunk` scores (a power of two; default
     `wide_chunk`), at any width: what rows wider than MAX_KERNEL_WIDTH take (module docstring)."""
     _check(scores, k, kernel=True)
-    chunk = chunk or wide_chunk(*scores.shape)
+    if chunk is None:
+        chunk = wide_chunk(*scores.shape)
     if chunk < 16 or chunk & (chunk - 1) or chunk >= 1 << 16:
         raise ValueError(f"chunk must be a power of two in [16, 32768], got {chunk}")
     out = _out(scores, k, out)
