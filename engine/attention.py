@@ -164,9 +164,9 @@ class MLAAttention(nn.Module):
             q_abs = torch.einsum("thd,hdc->thc", q[..., :dn], w[:, :dn, :])
             q_cat = torch.cat([q_abs, rotate(q[..., dn:], cos, sin, dr, cfg.rope_interleave)], dim=-1)
         out_latent = ctx.ops.sparse_mla(q_cat, view, selection.slots, selection.lens, self.scale).to(x.dtype)
-        # the value absorption written as o_proj's rows in one launch; for a single token cuBLAS is faster and
-        # its result is already those rows (bench/RESULTS.md, 2026-12-01: 3.9 against 4.6 us)
-        if out_latent.is_cuda and out_latent.shape[0] > 1:
+        # the value absorption written as o_proj's rows in one launch (one token too: 2.9 us against cuBLAS's
+        # 3.3, bench/RESULTS.md, 2026-12-02, thirteenth session)
+        if out_latent.is_cuda:
             return self.o_proj(mla_output(out_latent, w[:, dn:, :])), selection
         out = torch.einsum("thc,hvc->thv", out_latent, w[:, dn:, :])
         return self.o_proj(out.reshape(-1, h * dv)), selection

@@ -37,8 +37,8 @@ Launches (`fused_moe`):
    range stores its float32 partials (per slot), and the tile's last range to
    arrive (an atomic counter per tile, as in `kernels.fp8_gemm`) adds them in
    range order (deterministic) and finishes the tile.
-3. down: one program per (block, BLOCK_N columns of H); multiplies by the
-   routing weight and writes each slot's row of [T*k, H].
+3. down: one program per (block, `tiles_down` tiles of BLOCK_N columns of H);
+   multiplies by the routing weight and writes each slot's row of [T*k, H].
 4. a sum over the k slots of each token into out [T, H].
 (fp8 weights add the two quantisation launches, or one when the caller passes x's
 quantisation, `x_fp8`, made by the RMSNorm before the MoE.)
@@ -100,6 +100,7 @@ class FusedMoEConfig:
     num_stages: int = 4
     num_warps_down: int = 4
     num_stages_down: int = 4
+    tiles_down: int = 1  # down: consecutive column tiles per program, their K steps one pipelined loop
     swap_ab: bool = False  # weight rows on the MMA's M side, tokens on its N side (small blocks)
     split_k: int = 1  # gate/up: ranges of H per tile; > 1: float32 partials summed by the tile's last range
     gemv: bool = False  # one token's slots as GEMVs (float32 products in registers, K unrolled, num_stages unused):
@@ -122,20 +123,21 @@ class FusedMoEConfig:
             # launches); H200 sweeps, fp8, 8 experts + the shared one (bench/RESULTS.md, 2026-12-01): 4 rows of
             # 2,048-column tiles for gate/up, 28.8 us at T = 1 and 40.5 at T = 2 (rolled loops, 8 rows: 34.8, 48.4)
             return cls(gemv=True, block_n=4, block_k=2048, block_n_down=16 if num_tokens == 1 else 32, block_k_down=256)
-        if 32 < num_tokens * top_k <= 40 and weight_dtype == torch.float8_e4m3fn:
-            # four tokens of 8 experts + the shared one (a verifying step of k = 3 at B = 1): narrower gate/up tiles,
-            # unswapped, four stages (H200, fp8, two sweeps: 63.8 and 64.3 us against 66.7 and 66.3 by the rule below)
-            return cls(block_m=16, block_n=32, block_n_down=64, num_stages=4, num_stages_down=4)
         if num_tokens * top_k > 32:
             # measured best from T = 8 up (fp8 weights, T = 64: 297 against 327 us): shallower pipelines, swapped
-            # operands
-            return cls(block_m=16, block_n=64, block_n_down=128, num_stages=3, num_stages_down=3, swap_ab=True)
+            # operands; down over two column tiles a program (T = 8 / 16 / 32 / 64: 28.9 / 47.9 / 74.2 / 99.5 ->
+            # 27.0 / 44.3 / 67.3 / 91.2 us). Four or five tokens (a verifying step of k = 3 or 4 at B = 1, 36 or 45
+            # slots): gate/up with five stages (T = 5: 38.1 -> 34.3 us, 156 programs on 132 SMs each needing more
+            # weight bytes in flight; T = 4: 57.4 us in all against 62.5 for the former unswapped 32-column tiles)
+            return cls(block_m=16, block_n=64, block_n_down=128, num_stages=5 if num_tokens * top_k <= 48 else 3,
+                       num_stages_down=3, swap_ab=True, tiles_down=2)
         # a few tokens: memory-bound on the touched experts' weights, which are too few tiles to keep every SM
         # streaming, so H is split (H200 sweep, fp8, 8 experts at T = 1: 30.8 us against 38.9 unsplit; 128-column
         # tiles, which could quantise the intermediate in the tile, were slower: 33.5 at their best split)
+        # (down: four 64-column tiles a program, T = 3: 16.3 -> 14.6 us)
         block_n = 64 if weight_dtype == torch.float8_e4m3fn else 32
         busy_tiles = min(num_experts, num_tokens * top_k) * triton.cdiv(max(inter, 1), block_n)
-        return cls(block_m=16, block_n=block_n, block_n_down=64, num_stages=4, num_stages_down=4,
+        return cls(block_m=16, block_n=block_n, block_n_down=64, num_stages=4, num_stages_down=4, tiles_down=4,
                    split_k=cls.split_for(busy_tiles, hidden, num_sms))
 
     @staticmethod
@@ -331,12 +333,16 @@ def _down_kernel(
     num_slots, top_k, hidden, inter,
     stride_hm, stride_hsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_twt, stride_twj, stride_ym,
     FP8: tl.constexpr, SOFT_CVT: tl.constexpr, IEEE: tl.constexpr, COMPUTE: tl.constexpr, SWAP_AB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """y[slot(r), n] = topk_weight(slot(r)) * (h[r] . down_e[n]) for the rows r of one block of expert e."""
+    """y[slot(r), n] = topk_weight(slot(r)) * (h[r] . down_e[n]) for the rows r of one block of expert e, over
+    TILES consecutive tiles of BLOCK_N columns. The tiles' K steps run as one loop, so the next tile's weights
+    are in flight while this one finishes: I is only a few K tiles (GLM-5.3's rank: two), and a program per
+    tile spent most of its time waiting for its first loads."""
     pdl.begin(PDL)
     pdl.wait(PDL)
-    nt = tl.program_id(0)
+    nt0 = tl.program_id(0) * TILES
     b = tl.program_id(1)
     if b * BLOCK_M >= tl.load(npad_ptr):
         return
@@ -344,39 +350,42 @@ def _down_kernel(
     if e < 0:
         return
     rows, slot, valid = _block_rows(sorted_ptr, b, num_slots, BLOCK_M)
-    cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < hidden
+    slot = tl.where(valid, slot, 0)
+    rw = tl.load(tw_ptr + (slot // top_k) * stride_twt + (slot % top_k) * stride_twj, mask=valid, other=0.0)
+    out_rows = slot.to(tl.int64) * stride_ym
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + kk[None, :]
-    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn + kk[None, :]
-    s_ptrs = ws_ptr + e * stride_wse + (cols // 128) * stride_wsn
+    w_base = w_ptr + e.to(tl.int64) * stride_we
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
+    for i in range(TILES * K_TILES):
+        kt = i % K_TILES
+        k0 = kt * BLOCK_K
+        cols = (nt0 + i // K_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < hidden
         kmask = (k0 + kk) < inter
         a = tl.load(a_ptrs + k0, mask=valid[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptrs + k0, mask=cmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_base + cols.to(tl.int64)[:, None] * stride_wn + (k0 + kk)[None, :],
+                    mask=cmask[:, None] & kmask[None, :], other=0.0)
         if FP8:  # the intermediate was quantised once per row and 128 columns between the launches
-            a_s = tl.load(hs_ptr + rows.to(tl.int64) * stride_hsm + k0 // BLOCK_K, mask=valid, other=0.0)
-            ws = tl.load(s_ptrs + (k0 // BLOCK_K) * stride_wsk, mask=cmask, other=0.0)
+            a_s = tl.load(hs_ptr + rows.to(tl.int64) * stride_hsm + kt, mask=valid, other=0.0)
+            ws = tl.load(ws_ptr + e * stride_wse + (cols // 128) * stride_wsn + kt * stride_wsk, mask=cmask,
+                         other=0.0)
         else:
             a = a.to(COMPUTE)
             a_s = tl.zeros([BLOCK_M], dtype=tl.float32)
             ws = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc = _mma(a, w, acc, a_s, ws, FP8, IEEE, SWAP_AB)
-    slot = tl.where(valid, slot, 0)
-    rw = tl.load(tw_ptr + (slot // top_k) * stride_twt + (slot % top_k) * stride_twj, mask=valid, other=0.0)
-    out_rows = slot.to(tl.int64) * stride_ym
-    if SWAP_AB:
-        acc = acc * rw[None, :]
-        tl.store(y_ptr + out_rows[None, :] + cols[:, None], _cast_out(acc, y_ptr, SOFT_CVT),
-                 mask=cmask[:, None] & valid[None, :])
-    else:
-        acc = acc * rw[:, None]
-        tl.store(y_ptr + out_rows[:, None] + cols[None, :], _cast_out(acc, y_ptr, SOFT_CVT),
-                 mask=valid[:, None] & cmask[None, :])
+        if kt == K_TILES - 1:  # the tile's last K step: weight, round and store it, start the next
+            if SWAP_AB:
+                tl.store(y_ptr + out_rows[None, :] + cols[:, None], _cast_out(acc * rw[None, :], y_ptr, SOFT_CVT),
+                         mask=cmask[:, None] & valid[None, :])
+            else:
+                tl.store(y_ptr + out_rows[:, None] + cols[None, :], _cast_out(acc * rw[:, None], y_ptr, SOFT_CVT),
+                         mask=valid[:, None] & cmask[None, :])
+            acc = tl.zeros_like(acc)
 
 
 @triton.jit
@@ -460,6 +469,8 @@ def _check_config(cfg: FusedMoEConfig, fp8: bool) -> None:
         raise ValueError(f"block_m must be at most 256, got {cfg.block_m}")
     if cfg.split_k < 1:
         raise ValueError(f"split_k must be >= 1, got {cfg.split_k}")
+    if cfg.tiles_down < 1:
+        raise ValueError(f"tiles_down must be >= 1, got {cfg.tiles_down}")
     if fp8 and (cfg.block_k != FP8_BLOCK or cfg.block_k_down != FP8_BLOCK):
         raise ValueError(f"fp8 weights need block_k = block_k_down = {FP8_BLOCK} (one scale block per K tile)")
 
@@ -514,13 +525,14 @@ def fused_moe(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(ops.xq.device)
     )
     actq, acts = quantize_activations(act) if fp8 else (act, act)
-    _down_kernel[(triton.cdiv(h, cfg.block_n_down), max_blocks)](
+    _down_kernel[(triton.cdiv(triton.cdiv(h, cfg.block_n_down), cfg.tiles_down), max_blocks)](
         actq, acts, w2, ops.s2, sorted_ids, eob, num_padded, topk_weights, y,
         t * k, k, h, inter,
         actq.stride(0), acts.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1), *ops.s2_strides, topk_weights.stride(0), topk_weights.stride(1),
         y.stride(0),
         FP8=fp8, SOFT_CVT=soft, IEEE=ieee, COMPUTE=compute, SWAP_AB=cfg.swap_ab,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
+        K_TILES=triton.cdiv(inter, cfg.block_k_down), TILES=cfg.tiles_down,
         num_warps=cfg.num_warps_down, num_stages=cfg.num_stages_down, **pdl.launch_options(actq.device)
     )
     block = min(1024, triton.next_power_of_2(h))

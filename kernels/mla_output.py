@@ -57,6 +57,14 @@ def _mla_output_kernel(o_ptr, w_ptr, x_ptr, tokens, stride_ot, stride_oh, stride
              mask=tmask[:, None])
 
 
+def output_block_c(dl: int, block_t: int) -> int:
+    """Latent columns a K step of the kernel covers: the whole latent (one step) for up to 16 tokens, fewer for
+    larger token blocks (at most 8K elements of o a step). Each step's loads wait on the step before (the
+    operands pass through shared memory), so at a few tokens eight 64-column steps took 6.4 us for GLM-5.3's
+    2 MB of w_v at every block_v tried."""
+    return min(dl & -dl, max(16, 8192 // block_t))
+
+
 def mla_output(o: torch.Tensor, w_v: torch.Tensor) -> torch.Tensor:
     """o [T, H, Dl] (last dimension contiguous), w_v [H, Dv, Dl] (last dimension contiguous) -> x [T, H * Dv] in
     o's dtype, contiguous."""
@@ -76,7 +84,7 @@ def mla_output(o: torch.Tensor, w_v: torch.Tensor) -> torch.Tensor:
     block_v = max(16, min(128, dv & -dv, triton.next_power_of_2(triton.cdiv(dv * tiles, _num_sms(o.device)))))
     _mla_output_kernel[(heads, triton.cdiv(t, block_t), dv // block_v)](
         o, w_v, x, t, o.stride(0), o.stride(1), w_v.stride(0), w_v.stride(1), x.stride(0),
-        DV=dv, DL=dl, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_C=min(64, dl & -dl), COMPUTE=_COMPUTE[o.dtype],
+        DV=dv, DL=dl, BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_C=output_block_c(dl, block_t), COMPUTE=_COMPUTE[o.dtype],
         IEEE=o.dtype == torch.float32, num_warps=4, **pdl.launch_options(o.device)
     )
     return x

@@ -54,9 +54,10 @@ def _mla_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, tokens, stride_qt
         acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for d0 in tl.static_range(0, DN, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
-            a = tl.load(q_rows[:, None] + d[None, :], mask=tmask[:, None], other=0.0).to(COMPUTE)
-            w = tl.load(w_ptr + h * stride_wh + d[:, None] * stride_wd + cols[None, :], mask=cmask[None, :],
-                        other=0.0).to(COMPUTE)
+            dmask = d < DN
+            a = tl.load(q_rows[:, None] + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0).to(COMPUTE)
+            w = tl.load(w_ptr + h * stride_wh + d[:, None] * stride_wd + cols[None, :],
+                        mask=dmask[:, None] & cmask[None, :], other=0.0).to(COMPUTE)
             if IEEE:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
@@ -71,6 +72,14 @@ def _mla_query_kernel(q_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, tokens, stride_qt
                                INTERLEAVED)
         tl.store(out_rows[:, None] + DL + i[None, :], lo.to(out_ptr.dtype.element_ty), mask=pair)
         tl.store(out_rows[:, None] + DL + R // 2 + i[None, :], hi.to(out_ptr.dtype.element_ty), mask=pair)
+
+
+def query_block_d(dn: int, block_t: int) -> int:
+    """Nope columns a K step of the absorbed product covers: all of them (one step, the tail masked) for up to
+    16 tokens, else the largest power of two up to 64 dividing Dn. Each step's loads wait on the step before
+    (the operands pass through shared memory); at a few tokens the weight stream is all there is."""
+    whole = triton.next_power_of_2(dn)
+    return whole if block_t <= 16 and whole <= 256 else min(64, dn & -dn)
 
 
 def mla_query(q: torch.Tensor, w_k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int,
@@ -99,7 +108,7 @@ def mla_query(q: torch.Tensor, w_k: torch.Tensor, cos: torch.Tensor, sin: torch.
     _mla_query_kernel[grid](
         q, w_k, cos, sin, out, t, q.stride(0), q.stride(1), w_k.stride(0), w_k.stride(1), out.stride(0),
         out.stride(1), cos.stride(0), DN=dn, DL=dl, R=rope_dim, INTERLEAVED=interleaved, BLOCK_T=block_t,
-        BLOCK_N=block_n, BLOCK_D=min(64, dn & -dn), HALF_BLOCK=triton.next_power_of_2(rope_dim // 2), COMPUTE=_COMPUTE[q.dtype],
+        BLOCK_N=block_n, BLOCK_D=query_block_d(dn, block_t), HALF_BLOCK=triton.next_power_of_2(rope_dim // 2), COMPUTE=_COMPUTE[q.dtype],
         IEEE=q.dtype == torch.float32, num_warps=4, **pdl.launch_options(q.device)
     )
     return out

@@ -53,10 +53,11 @@ class SparseMLAConfig:
     @classmethod
     def for_problem(cls, num_heads: int, kv_format: str, num_rows: int = 1) -> "SparseMLAConfig":
         """Best measured tiles on an H200 (bench/RESULTS.md) for this head count, row format and number of
-        query rows. FP8 rows at a few heads: from 8 rows on, 32-row tiles of four warps; below 128 rows
+        query rows. FP8 rows at a few heads: from 4 rows on, 32-row tiles of four warps (5 rows, a verifying
+        step of k = 4 at B = 1: 17.0 against 19.2 us with 64-row tiles); below 128 rows
         without the register prefetch (B = 8 / 32 / 64: 18.2 / 56.7 / 101.3 us against 19.8 / 60.8 / 108.5
         with it: the prefetched tile spills at 255 registers), from 128 rows with it and 8 waves (207.5 against
-        218.0); below 8 rows, 64-row tiles (12.5 against 13.5 us at B = 1). bf16 rows from 8 rows on: 32-row tiles
+        218.0); below 4 rows, 64-row tiles in two stages (B = 1: 11.0 against 11.9 us in three). bf16 rows from 8 rows on: 32-row tiles
         of four warps in 2 waves (B = 32 / 64 / 128: 39.2 / 64.7 / 104.8 us against 54.3 / 83.9 / 154.9 with
         64-row tiles of eight warps)."""
         if num_heads > 16 and kv_format == "fp8":
@@ -65,10 +66,12 @@ class SparseMLAConfig:
             return cls(block_h=16, block_k=64, num_warps=8, num_stages=2, waves=1)
         if kv_format == "fp8" and num_rows >= 128:
             return cls(block_h=16, block_k=32, num_warps=4, num_stages=2, prefetch=True, waves=8)
-        if kv_format == "fp8" and num_rows >= 8:
+        if kv_format == "fp8" and num_rows >= 4:
             return cls(block_h=16, block_k=32, num_warps=4, num_stages=2, waves=4)
         if kv_format == "bf16" and num_rows >= 8:
             return cls(block_h=16, block_k=32, num_warps=4, num_stages=2, waves=2)
+        if kv_format == "fp8":
+            return cls(block_h=16, block_k=64, num_warps=8, num_stages=2, waves=4)
         return cls(block_h=16, block_k=64, num_warps=8, num_stages=3, waves=4)
 
 

@@ -17,11 +17,12 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 19])
-def test_mla_output_equals_the_einsum(dtype, tokens):
-    """o strided like the sparse MLA output of a wider buffer; w_v the value half of kv_b_proj's weight."""
+@pytest.mark.parametrize("tokens, dl", [(1, 64), (19, 64), (40, 256)])
+def test_mla_output_equals_the_einsum(dtype, tokens, dl):
+    """o strided like the sparse MLA output of a wider buffer; w_v the value half of kv_b_proj's weight. The
+    latent in one K step up to 16 tokens (and at 19 here, Dl being small), in two at 40 tokens and Dl 256."""
     gen = torch.Generator().manual_seed(tokens)
-    heads, dn, dv, dl = 2, 32, 128, 64
+    heads, dn, dv = 2, 32, 128
     o = torch.randn(tokens, heads, dl + 16, generator=gen).to(dtype)[..., :dl]
     w = (torch.randn(heads * (dn + dv), dl, generator=gen) * 0.2).to(dtype).view(heads, dn + dv, dl)
     x = mla_output(o, w[:, dn:, :])

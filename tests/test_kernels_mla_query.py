@@ -20,8 +20,9 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens, interleaved, latent", [(1, True, 256), (19, False, 256), (3, True, 96)])
 def test_mla_query_equals_einsum_rope_cat(dtype, tokens, interleaved, latent):
-    """q as q_b_proj's output per head (Dn = 48: three K steps of 16, as GLM-5.3's 192 is three of 64; Dr = 16),
-    w_k a strided half of kv_b_proj's weight."""
+    """q as q_b_proj's output per head (Dn = 48: one K step of 64 with its tail masked up to 16 tokens, as
+    GLM-5.3's 192 is one of 256; three steps of 16 at 19 tokens; Dr = 16), w_k a strided half of kv_b_proj's
+    weight."""
     gen = torch.Generator().manual_seed(tokens + latent)
     heads, dn, dr, dv = 3, 48, 16, 24
     q = torch.randn(tokens, heads * (dn + dr), generator=gen).to(dtype).view(tokens, heads, dn + dr)

@@ -126,7 +126,8 @@ def test_fused_moe_swap_ab_and_prefill_tiles(moe, experts):
 
 def test_fused_moe_folded_shared_expert(moe, experts):
     """engine/layers.py stacks the shared expert as expert E and routes every token to it with weight 1; at
-    T = 4 (a verifying step of k = 3) that is 36 slots, which take their own tiles (`FusedMoEConfig.for_problem`)."""
+    T = 4 (a verifying step of k = 3) that is 36 slots, which take five-stage swapped tiles
+    (`FusedMoEConfig.for_problem`)."""
     w = experts["fp8"]
     extra = dict(w13=torch.cat([w["w13"], w["w13"][:1]]), w2=torch.cat([w["w2"], w["w2"][:1]]),
                  w13_scale_inv=torch.cat([w["w13_scale_inv"], w["w13_scale_inv"][:1]]),
