@@ -23,13 +23,18 @@ from engine.attention_ops import AttentionOps
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
 from engine.layers import RMSNorm, rotate
-from engine.linear import WeightFormat, make_linear
+from engine.linear import WeightFormat, linear_pair, make_linear
 from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
 from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations
 from kernels.fp8_pack import LatentPrep
 from kernels.mla_output import mla_output
 from kernels.mla_query import mla_query
+from kernels.router import router_logits
+
+# rows up to which the indexer's head weights take the router's product kernel (H200, [32, 6144]: 3.7 / 8.4 /
+# 12.7 us at 5 / 32 / 64 rows against 12.0 / 13.0 / 13.8 for the float32 copy of x and cuBLAS's two launches)
+HEAD_WEIGHTS_FMA_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -71,14 +76,24 @@ class Indexer(nn.Module):
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return rotate(x, cos, sin, self.cfg.qk_rope_head_dim, self.cfg.rope_interleave)
 
-    def forward(self, x: torch.Tensor, q_latent: torch.Tensor, ctx: StepContext, full_index: int,
-                x_fp8: Fp8Activations | None = None, q_fp8: Fp8Activations | None = None) -> Selection:
-        """`x_fp8` / `q_fp8`: x and q_latent quantised by the norms that made them (FP8 weights on a GPU)."""
+    def _head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 [T, index_n_heads]: x times the float32 `weights_proj`. A decode batch's few rows on a GPU
+        take the router's float32 product kernel (`kernels.router.router_logits`, summed in one launch), where
+        cuBLAS needed x converted to float32 first and split K over two more launches."""
+        w = self.weights_proj.weight
+        if x.is_cuda and x.shape[0] <= HEAD_WEIGHTS_FMA_TOKENS and w.dtype == torch.float32:
+            return router_logits(x, w, fma_tokens=HEAD_WEIGHTS_FMA_TOKENS)[0]
+        return self.weights_proj(x.to(w.dtype)).float()
+
+    def forward(self, x: torch.Tensor, q_proj: torch.Tensor, k_proj: torch.Tensor, ctx: StepContext,
+                full_index: int) -> Selection:
+        """`q_proj` = wq_b(q_latent) and `k_proj` = wk(x): made by the attention beside its own projections of
+        the same inputs (`MLAAttention.forward`)."""
         cfg = self.cfg
         batch, cos, sin, layout, ops = ctx.batch, ctx.cos, ctx.sin, ctx.layout, ctx.ops
-        q = self._rope(self.wq_b(q_latent, q_fp8).view(-1, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
-        k = self._rope(self.k_norm(self.wk(x, x_fp8)), cos, sin)
-        weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * cfg.index_n_heads**-0.5
+        q = self._rope(q_proj.view(-1, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
+        k = self._rope(self.k_norm(k_proj), cos, sin)
+        weights = self._head_weights(x) * cfg.index_n_heads**-0.5
 
         ops.write_indexer_rows(ctx.kv_pool, full_index, batch.indexer_write_slots, k)
         view = layout.indexer_layer_view(ctx.kv_pool, full_index)
@@ -136,22 +151,34 @@ class MLAAttention(nn.Module):
         batch, cos, sin, layout = ctx.batch, ctx.cos, ctx.sin, ctx.layout
         h, dn, dv, dl = self.num_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         dr = cfg.qk_rope_head_dim
+        # the indexer's projections of x and of q_latent run beside the attention's (one launch each pair)
+        indexer = self.indexer
+        k_index = q_index = None
         if self.fused_latent:
-            q_a, latent, k_rope = self.q_kv_a_proj(x, x_fp8).split([cfg.q_lora_rank, dl, dr], dim=-1)
+            if indexer is not None:
+                q_kv_a, k_index = linear_pair(self.q_kv_a_proj, indexer.wk, x, x_fp8)
+            else:
+                q_kv_a = self.q_kv_a_proj(x, x_fp8)
+            q_a, latent, k_rope = q_kv_a.split([cfg.q_lora_rank, dl, dr], dim=-1)
         else:
             q_a = self.q_a_proj(x, x_fp8)
             latent, k_rope = self.kv_a_proj_with_mqa(x, x_fp8).split([dl, dr], dim=-1)
+            if indexer is not None:
+                k_index = indexer.wk(x, x_fp8)
         q_latent, _, q_fp8 = self.q_a_layernorm.forward_fp8(q_a)
-        q = self.q_b_proj(q_latent, q_fp8).view(-1, h, cfg.qk_head_dim)
+        if indexer is not None:
+            q, q_index = linear_pair(self.q_b_proj, indexer.wq_b, q_latent, q_fp8)
+        else:
+            q = self.q_b_proj(q_latent, q_fp8)
+        q = q.view(-1, h, cfg.qk_head_dim)
 
         # the latent's norm and the key's rotation are done by the row write (one launch with FP8 rows on a GPU)
         prep = LatentPrep(self.kv_a_layernorm.weight, self.kv_a_layernorm.eps, cos, sin, cfg.rope_interleave)
         ctx.ops.write_mla_rows(ctx.kv_pool, self.layer, batch.mla_write_slots, latent, k_rope, prep)
         view = layout.mla_layer_view(ctx.kv_pool, self.layer)
 
-        if self.indexer is not None:
-            full_index = layout.layer_group[self.layer]
-            selection = self.indexer(x, q_latent, ctx, full_index, x_fp8, q_fp8)
+        if indexer is not None:
+            selection = indexer(x, q_index, k_index, ctx, layout.layer_group[self.layer])
         elif shared is None:
             raise ValueError(f"shared layer {self.layer} has no full indexer layer before it")
         else:

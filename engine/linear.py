@@ -18,7 +18,14 @@ from typing import Literal
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations, fp8_block_linear, fp8_block_linear_ref, quantize_weight_blocks
+from kernels.fp8_gemm import (
+    FP8_BLOCK,
+    Fp8Activations,
+    fp8_block_linear,
+    fp8_block_linear_pair,
+    fp8_block_linear_ref,
+    quantize_weight_blocks,
+)
 
 # Projections that stay plain even in an FP8 model: kv_b_proj is used in its absorbed form (its key and
 # value halves multiply queries and outputs per head), the indexer's head weights and the router are
@@ -84,3 +91,15 @@ class PlainLinear(nn.Linear):
 def make_linear(in_features: int, out_features: int, fp8: bool) -> Fp8Linear | PlainLinear:
     """A bias-free linear layer, FP8 block-scaled when `fp8`."""
     return Fp8Linear(in_features, out_features) if fp8 else PlainLinear(in_features, out_features)
+
+
+def linear_pair(first: Fp8Linear | PlainLinear, second: Fp8Linear | PlainLinear, x: torch.Tensor,
+                x_fp8: Fp8Activations | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first(x), second(x)) for two layers of one input; FP8 ones on a GPU in one launch
+    (`kernels.fp8_gemm.fp8_block_linear_pair`: at decode sizes a launch costs microseconds beyond its bytes),
+    their outputs then views of one [..., N1 + N2] tensor."""
+    if isinstance(first, Fp8Linear) and isinstance(second, Fp8Linear) and x.is_cuda:
+        both = fp8_block_linear_pair(x, (first.weight, first.weight_scale_inv), (second.weight, second.weight_scale_inv),
+                                     x_fp8=x_fp8)
+        return both[..., : first.out_features], both[..., first.out_features :]
+    return first(x, x_fp8), second(x, x_fp8)

@@ -33,6 +33,8 @@ One launch shape per problem (`FP8GemmConfig.for_problem`):
 - large M (prefill): x is quantised once by `quantize_activations`, then a tiled
   fp8 GEMM with an L2-friendly program order (128x128 tiles, smaller ones or a
   split when that leaves fewer programs than SMs).
+`fp8_block_linear_pair` runs two linears of one input (two weights of the same K) in one launch, the
+second weight's tiles after the first's in one grid and its columns after the first's in one output.
 Defaults (swept on an H200): x quantised by its own launch; M <= 16 swapped
 16-token tiles; M <= 32 swapped 32-token tiles; M <= 128 64x64 tiles; all with
 64-row weight tiles and split-K up to about one program per SM while float32
@@ -260,39 +262,52 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm, 
 @triton.jit(do_not_specialize=["M", "kb_per_split", "splits"])
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, w_ptr, ws_ptr, c_ptr, out_ptr, arrivals_ptr,
-    M, N, K, kb_per_split, splits,
+    M, N, K, kb_per_split, splits, N2, w2_offset, ws2_offset,
     stride_am, stride_asm, stride_wn, stride_wsn, stride_wsk, stride_cs, stride_cm, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, SPLIT: tl.constexpr, PAIR: tl.constexpr, PDL: tl.constexpr,
 ):
+    """out[:, :N] = x W^T and, with PAIR, out[:, N:] = x W2^T: the second weight's column tiles follow the
+    first's in the same grid (W2 [N2, K] and its scales laid out as W's, `w2_offset` / `ws2_offset` elements
+    from W's and its scales': an offset keeps the 16-byte alignment the loads are vectorised on, where a
+    pointer chosen by a branch loses it)."""
     BLOCK_K: tl.constexpr = 128
     pdl.begin(PDL)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    first_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = first_n + tl.cdiv(N2, BLOCK_N) if PAIR else first_n
     # Grouped order: GROUP_M consecutive M tiles share the weight tiles they read (L2 reuse).
     in_group = GROUP_M * num_pid_n
     first_m = (pid // in_group) * GROUP_M
     group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
     pid_m = first_m + (pid % in_group) % group_size
     pid_n = (pid % in_group) // group_size
+    w_base, ws_base, rows, col0 = w_ptr, ws_ptr, N, 0
+    if PAIR:
+        second = pid_n >= first_n
+        w_base = w_ptr + tl.where(second, w2_offset, 0)
+        ws_base = ws_ptr + tl.where(second, ws2_offset, 0)
+        rows = tl.where(second, N2, N)
+        col0 = tl.where(second, N, 0)
+        pid_n = tl.where(second, pid_n - first_n, pid_n)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = offs_m < M
-    nmask = offs_n < N
+    nmask = offs_n < rows
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    w_rows = w_base + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     as_rows = as_ptr + offs_m.to(tl.int64) * stride_asm
-    ws_rows = ws_ptr + (offs_n // 128) * stride_wsn
+    ws_rows = ws_base + (offs_n // 128) * stride_wsn
 
     num_kb = tl.cdiv(K, BLOCK_K)
     kb0 = split * kb_per_split
     kb1 = tl.minimum(kb0 + kb_per_split, num_kb)
     for kb in range(kb0, kb1):  # with PDL: this program's weights requested while the kernel before ends
-        pdl.prefetch_l2(w_ptr + offs_n.to(tl.int64) * stride_wn + kb * BLOCK_K, nmask, w_ptr, PDL)
+        pdl.prefetch_l2(w_base + offs_n.to(tl.int64) * stride_wn + kb * BLOCK_K, nmask, w_base, PDL)
     pdl.wait(PDL)
     if SWAP_AB:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -316,13 +331,14 @@ def _fp8_gemm_kernel(
         else:
             acc += tl.dot(a, tl.trans(w)) * (a_s[:, None] * ws[None, :])
 
+    cols = col0 + offs_n  # the output's columns: the second weight's after the first's
     if SWAP_AB:
-        tile = offs_m.to(tl.int64)[None, :] * stride_cm + offs_n[:, None]
-        out_tile = offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        tile = offs_m.to(tl.int64)[None, :] * stride_cm + cols[:, None]
+        out_tile = offs_m.to(tl.int64)[None, :] * stride_om + cols[:, None]
         cmask = nmask[:, None] & mmask[None, :]
     else:
-        tile = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-        out_tile = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tile = offs_m.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+        out_tile = offs_m.to(tl.int64)[:, None] * stride_om + cols[None, :]
         cmask = mmask[:, None] & nmask[None, :]
     if not SPLIT:
         tl.store(out_ptr + out_tile, acc.to(out_ptr.dtype.element_ty), mask=cmask)
@@ -343,29 +359,40 @@ def _fp8_gemm_kernel(
 
 @triton.jit(do_not_specialize=["K"])
 def _fp8_gemv_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, N, K,
+    a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, N, K, N2, w2_offset, ws2_offset,
     stride_am, stride_asm, stride_wn, stride_wsn, stride_wsk, stride_om,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, EVEN_K: tl.constexpr, PAIR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[m, n-tile] for one token m: the weight rows streamed once over the whole K, each element's
     product with the token's dequantised activation accumulated in float32 registers, the block scales
     folded into the activation (BLOCK_N divides 128, so one weight scale row per program). No split of K,
     so no partials and no last-arrival sum: the launch ends when its loads do. The K loop is unrolled, so
     every tile's loads are issued before the first product waits on one. With PDL the rows' weights are
-    requested from L2 and the first tile's loaded before the wait for the kernel before (kernels/pdl.py)."""
+    requested from L2 and the first tile's loaded before the wait for the kernel before (kernels/pdl.py).
+    A pair (PAIR) as in `_fp8_gemm_kernel`: W2's row tiles after W's, its rows written after W's."""
     pdl.begin(PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
+    w_base, ws_base, rows, col0 = w_ptr, ws_ptr, N, 0
+    if PAIR:
+        first_n = tl.cdiv(N, BLOCK_N)
+        second = pid_n >= first_n
+        w_base = w_ptr + tl.where(second, w2_offset, 0)
+        ws_base = ws_ptr + tl.where(second, ws2_offset, 0)
+        rows = tl.where(second, N2, N)
+        col0 = tl.where(second, N, 0)
+        pid_n = tl.where(second, pid_n - first_n, pid_n)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    nmask = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    nmask = offs_n < rows
+    w_rows = w_base + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     lines = tl.arange(0, BLOCK_K // 128) * 128
     for kt in tl.static_range(1, K_TILES):  # the first tile is loaded below, before the wait
         cols = kt * BLOCK_K + lines
-        pdl.prefetch_l2(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :],
-                        nmask[:, None] & (cols < K)[None, :], w_ptr, PDL)
-    ws_row = ws_ptr + (pid_n * BLOCK_N // 128) * stride_wsn
+        pdl.prefetch_l2(w_base + offs_n.to(tl.int64)[:, None] * stride_wn + cols[None, :],
+                        nmask[:, None] & (cols < K)[None, :], w_base, PDL)
+    ws_row = ws_base + (pid_n * BLOCK_N // 128) * stride_wsn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for kt in tl.static_range(K_TILES):
         k0 = kt * BLOCK_K
@@ -384,7 +411,7 @@ def _fp8_gemv_kernel(
         group = tl.minimum(cols, K - 1) // 128
         scale = tl.load(as_ptr + m * stride_asm + group) * tl.load(ws_row + group * stride_wsk)
         acc += w.to(tl.float32) * (a.to(tl.float32) * scale)[None, :]
-    tl.store(out_ptr + m * stride_om + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
+    tl.store(out_ptr + m * stride_om + col0 + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 # --- launchers -----------------------------------------------------------------------------
@@ -518,41 +545,69 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     its producer), float32 accumulation."""
     out_dtype = out_dtype or x.dtype
     _check(x, weight, weight_scale_inv, out_dtype)
+    return _launch(x, (weight, weight_scale_inv), None, out_dtype, config, x_fp8)
+
+
+def fp8_block_linear_pair(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor],
+                          second: tuple[torch.Tensor, torch.Tensor], out_dtype: torch.dtype | None = None, *,
+                          config: FP8GemmConfig | None = None, x_fp8: Fp8Activations | None = None) -> torch.Tensor:
+    """Two linears of one input in one launch: x [..., K] with the FP8 weights (weight, weight_scale_inv) of
+    `first` [N1, K] and `second` [N2, K] -> [..., N1 + N2], the second's columns after the first's, each
+    column as `fp8_block_linear` computes it (the tiles of both weights share one grid, one tile config for
+    N1 + N2 rows). At decode sizes a launch costs a few microseconds beyond its weight bytes: two projections
+    that read the same activations (the query and the indexer's query) need not pay it twice."""
+    out_dtype = out_dtype or x.dtype
+    _check(x, *first, out_dtype)
+    _check(x, *second, out_dtype)
+    return _launch(x, first, second, out_dtype, config, x_fp8)
+
+
+def _launch(x: torch.Tensor, first: tuple[torch.Tensor, torch.Tensor], second: tuple[torch.Tensor, torch.Tensor] | None,
+            out_dtype: torch.dtype, config: FP8GemmConfig | None, x_fp8: Fp8Activations | None) -> torch.Tensor:
+    """The GEMM (or GEMV) launch for checked inputs: one weight, or a pair whose outputs sit side by side."""
+    weight, weight_scale_inv = first
+    pair = second is not None
     n, k = weight.shape
+    n2 = second[0].shape[0] if pair else 0
+    # the second weight and its scales as element offsets from the first's (kernel docstring)
+    w2_offset = second[0].data_ptr() - weight.data_ptr() if pair else 0
+    ws2_offset = (second[1].data_ptr() - weight_scale_inv.data_ptr()) // 4 if pair else 0
+    width = n + n2
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    out = torch.empty((m, width), dtype=out_dtype, device=x.device)
     if m == 0:
-        return out.reshape(*lead, n)
-    cfg = config or _default_config(m, n, k, _num_sms(x.device))
+        return out.reshape(*lead, width)
+    cfg = config or _default_config(m, width, k, _num_sms(x.device))
     _check_config(cfg)
     a, a_s = _take_quantized(x2, x_fp8)
     if cfg.gemv:
-        _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), m)](
-            a, a_s, weight, weight_scale_inv, out, n, k,
+        tiles = triton.cdiv(n, cfg.block_n) + triton.cdiv(n2, cfg.block_n)
+        _fp8_gemv_kernel[(tiles, m)](
+            a, a_s, weight, weight_scale_inv, out, n, k, n2, w2_offset, ws2_offset,
             a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
             out.stride(0), BLOCK_N=cfg.block_n, BLOCK_K=cfg.gemv_block_k, K_TILES=triton.cdiv(k, cfg.gemv_block_k),
-            EVEN_K=k % cfg.gemv_block_k == 0,
+            EVEN_K=k % cfg.gemv_block_k == 0, PAIR=pair,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
         )
-        return out.reshape(*lead, n)
+        return out.reshape(*lead, width)
     nb = _blocks(k)
     kb_per_split = triton.cdiv(nb, cfg.split_k)
     splits = triton.cdiv(nb, kb_per_split)
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tiles = triton.cdiv(m, cfg.block_m) * (triton.cdiv(n, cfg.block_n) + triton.cdiv(n2, cfg.block_n))
     if splits > 1:
-        partials = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
+        partials = torch.empty((splits, m, width), dtype=torch.float32, device=x.device)
         arrivals = _arrival_counters(x.device, tiles)
     else:
         partials = arrivals = out  # unused
     _fp8_gemm_kernel[(tiles, splits)](
         a, a_s, weight, weight_scale_inv, partials, out, arrivals,
-        m, n, k, kb_per_split, splits,
+        m, n, k, kb_per_split, splits, n2, w2_offset, ws2_offset,
         a.stride(0), a_s.stride(0), weight.stride(0), weight_scale_inv.stride(0), weight_scale_inv.stride(1),
         partials.stride(0) if splits > 1 else 0, partials.stride(1) if splits > 1 else 0, out.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-        SWAP_AB=cfg.swap_ab, EVEN_K=k % FP8_BLOCK == 0, SPLIT=splits > 1,
+        SWAP_AB=cfg.swap_ab, EVEN_K=k % FP8_BLOCK == 0, SPLIT=splits > 1, PAIR=pair,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )
-    return out.reshape(*lead, n)
+    return out.reshape(*lead, width)

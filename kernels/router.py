@@ -162,15 +162,16 @@ ROUTER_FMA_TOKENS = 2  # up to this many tokens the partial sums are float32 pro
 _FMA_MAX_SPLITS = 64  # K ranges of those (GLM-5.3: 48 of 128 columns, 768 programs of one 16 x 128 tile)
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, H] (any float dtype) and the float32 router weight [E, H] -> partial logits [S, T, E] float32
-    whose sum over S is x.float() @ weight.T; S is chosen so about two programs run per SM. A token or two
-    (one program per 128-column tile) come back summed: S = 1."""
+def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTER_FMA_TOKENS) -> torch.Tensor:
+    """x [T, H] (any float dtype) and a float32 weight [E, H] (the router's, or the indexer's head weights) ->
+    partial logits [S, T, E] float32 whose sum over S is x.float() @ weight.T; S is chosen so about two
+    programs run per SM. Up to `fma_tokens` tokens (one program per 128-column tile and token) come back
+    summed: S = 1."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     if weight.shape[1] != hidden or weight.dtype != torch.float32 or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("router_logits needs x [T, H] and a float32 weight [E, H], both with unit last stride")
-    fma = t <= ROUTER_FMA_TOKENS
+    fma = t <= fma_tokens
     blocks = triton.cdiv(hidden, _ROUTER_K)
     if fma:  # every weight tile loaded at once, one per program: a single memory round trip
         splits = min(blocks, _FMA_MAX_SPLITS)

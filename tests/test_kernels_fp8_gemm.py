@@ -30,6 +30,7 @@ from kernels.fp8_gemm import (  # noqa: E402
     FP8GemmConfig,
     dequantize_weight_blocks,
     fp8_block_linear,
+    fp8_block_linear_pair,
     fp8_block_linear_ref,
     quantize_activations,
     quantize_activations_ref,
@@ -197,6 +198,38 @@ def test_linear_configs(cfg):
     x = make_x(70, 300, torch.float16, gen)
     out = fp8_block_linear(x, weight, scales, out_dtype=torch.float32, config=cfg)
     assert_matches_twin(out, x, weight, scales)
+
+
+PAIR_CONFIGS = [
+    FP8GemmConfig(block_m=16, block_n=64, swap_ab=True, split_k=3),  # the first weight's last tile partial
+    FP8GemmConfig(block_m=32, block_n=32, swap_ab=False, group_m=2),
+    FP8GemmConfig(gemv=True, block_n=8, gemv_block_k=256),
+]
+
+
+@pytest.mark.parametrize("cfg", PAIR_CONFIGS, ids=lambda c: "gemv" if c.gemv else f"m{c.block_m}s{c.split_k}")
+@pytest.mark.parametrize("m", [1, 5, 40])
+def test_linear_pair_is_both_linears_side_by_side(cfg, m):
+    """Two weights of one K in one launch (N1 = 200: a partial 128-row scale block and, at 64-row tiles, a
+    partial tile; N2 = 136): each column equals its own linear's with the same tiles, bit for bit, and the
+    default tiles match the twins."""
+    gen = torch.Generator().manual_seed(100 + m)
+    (w1, s1), (w2, s2) = make_weight(200, 300, gen), make_weight(136, 300, gen)
+    x = make_x(m, 300, torch.float16, gen)
+    pair = fp8_block_linear_pair(x, (w1, s1), (w2, s2), torch.float32, config=cfg)
+    assert pair.shape == (m, 336)
+    assert torch.equal(pair[:, :200], fp8_block_linear(x, w1, s1, torch.float32, config=cfg))
+    assert torch.equal(pair[:, 200:], fp8_block_linear(x, w2, s2, torch.float32, config=cfg))
+    default = fp8_block_linear_pair(x, (w1, s1), (w2, s2), torch.float32)
+    assert_matches_twin(default[:, :200], x, w1, s1)
+    assert_matches_twin(default[:, 200:], x, w2, s2)
+
+
+def test_linear_pair_refuses_mismatched_weights():
+    gen = torch.Generator().manual_seed(3)
+    x = make_x(2, 300, torch.float16, gen)
+    with pytest.raises(ValueError):
+        fp8_block_linear_pair(x, make_weight(200, 300, gen), make_weight(64, 256, gen))
 
 
 @pytest.mark.parametrize("dtype, out_dtype", [(torch.float16, None), (torch.float32, torch.bfloat16),

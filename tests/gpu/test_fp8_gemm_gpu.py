@@ -152,3 +152,22 @@ def test_deterministic_and_graph_capturable(fp8, weights, m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, fp8.fp8_block_linear(x2, weight, scales))
+
+
+@pytest.mark.parametrize("m", [1, 5, 64])
+@pytest.mark.parametrize("first, second", [("q_a_proj", "kv_a_proj_with_mqa"), ("q_b_proj", "o_proj")])
+def test_pair_is_both_linears(fp8, weights, first, second, m):
+    """Two weights of one K in one launch (the engine pairs q_kv_a with the indexer's wk and q_b with its wq_b):
+    with the pair's tiles each half equals its own launch bit for bit, and with the defaults the twin."""
+    (w1, s1), (w2, s2) = weights[first], weights[second]
+    (n1, k), (n2, _) = SHAPES[first], SHAPES[second]
+    x = activations(m, k, seed=m + n2)
+    cfg = fp8.FP8GemmConfig.for_problem(m, n1 + n2, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    pair = fp8.fp8_block_linear_pair(x, (w1, s1), (w2, s2), config=cfg)
+    assert pair.shape == (m, n1 + n2)
+    assert torch.equal(pair[:, :n1], fp8.fp8_block_linear(x, w1, s1, config=cfg))
+    assert torch.equal(pair[:, n1:], fp8.fp8_block_linear(x, w2, s2, config=cfg))
+    for half, (w, s) in ((pair[:, :n1], (w1, s1)), (pair[:, n1:], (w2, s2))):
+        ref = fp8.fp8_block_linear_ref(x, w, s, out_dtype=torch.float32)
+        norm, _ = errors(half.float(), ref)
+        assert norm <= BF16_NORM_TOL, norm
