@@ -13,10 +13,12 @@ written), TFLOP/s (for prefill runs, `--m 4096`); the same for bf16
 `torch.matmul` with the dequantised weight (twice the bytes).
 `FP8GemmConfig.for_problem` gives the default tiles; unless `--no-sweep`, a few
 other tile configurations are timed too and the best is shown next to the
-default (to retune `for_problem`). Prints a table last and writes it, with the
+default (to retune `for_problem`). `--pairs` adds the engine's two GEMM pairs
+(q_kv_a_proj with the indexer's wk, q_b_proj with its wq_b: `fp8_block_linear_pair`)
+against their two launches. Prints a table last and writes it, with the
 full log, under $OUT (or bench/out).
 
-    python bench/fp8_gemm.py [--no-sweep] [--m 1,8] [--shapes q_a_proj,o_proj]
+    python bench/fp8_gemm.py [--no-sweep] [--m 1,8] [--shapes q_a_proj,o_proj] [--pairs]
 """
 
 from __future__ import annotations
@@ -36,14 +38,18 @@ import triton  # noqa: E402
 from bench.timing import OUT_DIR, bench_graph, hbm_copy_gbs, pick, run_log  # noqa: E402
 from kernels.fp8_gemm import (  # noqa: E402
     FP8GemmConfig,
+    Fp8Activations,
     dequantize_weight_blocks,
     fp8_block_linear,
+    fp8_block_linear_pair,
+    quantize_activations,
     quantize_weight_blocks,
 )
 
 SHAPES = {  # name: (N, K) of one TP8 rank
     "q_kv_a_proj": (2624, 6144),  # q_a_proj and kv_a_proj_with_mqa as the engine fuses them
     "wq_b": (4096, 2048),  # the indexer's query projection (full layers)
+    "wk": (128, 6144),  # the indexer's key projection (full layers)
     "q_a_proj": (2048, 6144),
     "q_b_proj": (2048, 2048),
     "kv_a_proj_with_mqa": (576, 6144),
@@ -52,6 +58,7 @@ SHAPES = {  # name: (N, K) of one TP8 rank
     "mlp_down": (6144, 1536),
 }
 MS = (1, 8, 32, 64, 128)
+PAIRS = (("q_kv_a_proj", "wk"), ("q_b_proj", "wq_b"))  # linears of one input the engine runs as one launch
 GEMV_SWEEP_ROWS = 8  # up to this many tokens the sweep also times the GEMV (one program per token and row tile)
 ROTATE_BYTES = 256 << 20  # weight copies per timed graph, well beyond the 50 MB L2
 
@@ -138,6 +145,28 @@ def run_shape(name: str, n: int, k: int, ms_list, hbm: float, sms: int, sweep: b
     torch.cuda.empty_cache()
 
 
+def run_pair(first: str, second: str, ms_list, hbm: float) -> list[str]:
+    """Table rows of `fp8_block_linear_pair` against the two launches it replaces (default tiles each)."""
+    (n1, k), (n2, _) = SHAPES[first], SHAPES[second]
+    rot = max(2, min(64, triton.cdiv(ROTATE_BYTES, (n1 + n2) * k)))
+    sets = [(quantize_weight_blocks(torch.randn(n1, k, device="cuda") * 0.02),
+             quantize_weight_blocks(torch.randn(n2, k, device="cuda") * 0.02)) for _ in range(rot)]
+    rows = []
+    for m in ms_list:
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        x_fp8 = Fp8Activations(*quantize_activations(x))  # made by the norm before, in the engine
+        two = bench_graph([lambda a=a, b=b: (fp8_block_linear(x, *a, x_fp8=x_fp8), fp8_block_linear(x, *b, x_fp8=x_fp8))
+                           for a, b in sets])
+        one = bench_graph([lambda a=a, b=b: fp8_block_linear_pair(x, a, b, x_fp8=x_fp8) for a, b in sets])
+        share = (n1 + n2) * k / one / 1e6 / hbm
+        rows.append(fmt_row([f"{first} + {second} [{n1} + {n2}, {k}]", m, f"{two * 1e3:.1f}", f"{one * 1e3:.1f}",
+                             f"{(two - one) * 1e3:.1f}", f"{100 * share:.0f}%"]))
+        log(rows[-1])
+    del sets
+    torch.cuda.empty_cache()
+    return rows
+
+
 def fmt_row(c) -> str:
     return "| " + " | ".join(str(x) for x in c) + " |"
 
@@ -157,6 +186,7 @@ def main() -> int:
     ap.add_argument("--no-sweep", action="store_true", help="time the default tiles only")
     ap.add_argument("--m", default=",".join(map(str, MS)), help="comma-separated row counts")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shape names")
+    ap.add_argument("--pairs", action="store_true", help="also time the engine's GEMM pairs against two launches")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("SKIP: no CUDA device")
@@ -179,9 +209,13 @@ def main() -> int:
         except Exception as exc:
             log(f"{name} stopped: {type(exc).__name__}: {exc}")
             torch.cuda.empty_cache()
+    pair_rows = [row for first, second in PAIRS for row in run_pair(first, second, ms_list, hbm)] if args.pairs else []
     table = [f"HBM copy bandwidth in this run: {hbm:.0f} GB/s (weight bytes / time against it); "
              f"{time.time() - start:.0f} s",
              "", fmt_row(HEADER), fmt_row(["---"] * len(HEADER))] + [fmt_row(cells(r)) for r in rows]
+    if pair_rows:
+        head = ["pair [N1 + N2, K]", "M", "two launches us", "one launch us", "saved us", "pair of HBM copy"]
+        table += ["", fmt_row(head), fmt_row(["---"] * len(head))] + pair_rows
     print("\n".join(table), flush=True)
     (OUT_DIR / "fp8_gemm.md").write_text("\n".join(table) + "\n")
     (OUT_DIR / "fp8_gemm.json").write_text(json.dumps(dict(hbm_gbs=hbm, rows=rows), indent=1))

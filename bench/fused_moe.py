@@ -102,7 +102,7 @@ def cfg_name(c: FusedMoEConfig) -> str:
         return f"gemv n{c.block_n}k{c.block_k}w{c.num_warps}/n{c.block_n_down}k{c.block_k_down}w{c.num_warps_down}"
     return (f"m{c.block_m}n{c.block_n}k{c.block_k}w{c.num_warps}s{c.num_stages}"
             f"/n{c.block_n_down}k{c.block_k_down}w{c.num_warps_down}s{c.num_stages_down}" + ("t" if c.swap_ab else "")
-            + (f"/split{c.split_k}" if c.split_k > 1 else ""))
+            + (f"/split{c.split_k}" if c.split_k > 1 else "") + (f"/tiles{c.tiles_down}" if c.tiles_down > 1 else ""))
 
 
 def candidates(t: int, fp8: bool) -> list[FusedMoEConfig]:
@@ -146,6 +146,8 @@ def variants(best: FusedMoEConfig, fp8: bool) -> list[FusedMoEConfig]:
     rep = dataclasses.replace
     for stages in (3, 5, 6, 8):
         out.append(rep(best, num_stages=stages, num_stages_down=stages))
+    for tiles in (1, 2, 4):  # down's column tiles a program
+        out.append(rep(best, tiles_down=tiles))
     out.append(rep(best, num_warps=8, num_warps_down=8))
     out.append(rep(best, num_warps=8))
     out.append(rep(best, num_warps_down=8))
