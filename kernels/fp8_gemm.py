@@ -258,6 +258,16 @@ def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, num_groups, stride_xm, stride_qm, 
     tl.store(s_ptr + m * stride_sm + g, scale, mask=g < num_groups)
 
 
+@triton.jit
+def _pair_tile(pid_n, first_n, w_ptr, ws_ptr, N, N2, w2_offset, ws2_offset):
+    """(weight, scales, rows, first output column, tile index within its weight) of column tile `pid_n` of a
+    pair: tiles from `first_n` on are the second weight's. The second weight is reached by an element offset,
+    not a pointer chosen by a branch, which would lose the 16-byte alignment the loads are vectorised on."""
+    second = pid_n >= first_n
+    return (w_ptr + tl.where(second, w2_offset, 0), ws_ptr + tl.where(second, ws2_offset, 0),
+            tl.where(second, N2, N), tl.where(second, N, 0), tl.where(second, pid_n - first_n, pid_n))
+
+
 # M changes from step to step: not specialised on, so a new batch size reuses the compiled kernel.
 @triton.jit(do_not_specialize=["M", "kb_per_split", "splits"])
 def _fp8_gemm_kernel(
@@ -269,8 +279,7 @@ def _fp8_gemm_kernel(
 ):
     """out[:, :N] = x W^T and, with PAIR, out[:, N:] = x W2^T: the second weight's column tiles follow the
     first's in the same grid (W2 [N2, K] and its scales laid out as W's, `w2_offset` / `ws2_offset` elements
-    from W's and its scales': an offset keeps the 16-byte alignment the loads are vectorised on, where a
-    pointer chosen by a branch loses it)."""
+    from W's and its scales': `_pair_tile`)."""
     BLOCK_K: tl.constexpr = 128
     pdl.begin(PDL)
     pid = tl.program_id(0)
@@ -286,12 +295,7 @@ def _fp8_gemm_kernel(
     pid_n = (pid % in_group) // group_size
     w_base, ws_base, rows, col0 = w_ptr, ws_ptr, N, 0
     if PAIR:
-        second = pid_n >= first_n
-        w_base = w_ptr + tl.where(second, w2_offset, 0)
-        ws_base = ws_ptr + tl.where(second, ws2_offset, 0)
-        rows = tl.where(second, N2, N)
-        col0 = tl.where(second, N, 0)
-        pid_n = tl.where(second, pid_n - first_n, pid_n)
+        w_base, ws_base, rows, col0, pid_n = _pair_tile(pid_n, first_n, w_ptr, ws_ptr, N, N2, w2_offset, ws2_offset)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -376,13 +380,8 @@ def _fp8_gemv_kernel(
     m = tl.program_id(1).to(tl.int64)
     w_base, ws_base, rows, col0 = w_ptr, ws_ptr, N, 0
     if PAIR:
-        first_n = tl.cdiv(N, BLOCK_N)
-        second = pid_n >= first_n
-        w_base = w_ptr + tl.where(second, w2_offset, 0)
-        ws_base = ws_ptr + tl.where(second, ws2_offset, 0)
-        rows = tl.where(second, N2, N)
-        col0 = tl.where(second, N, 0)
-        pid_n = tl.where(second, pid_n - first_n, pid_n)
+        w_base, ws_base, rows, col0, pid_n = _pair_tile(pid_n, tl.cdiv(N, BLOCK_N), w_ptr, ws_ptr, N, N2, w2_offset,
+                                                        ws2_offset)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     nmask = offs_n < rows
