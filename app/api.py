@@ -80,11 +80,19 @@ def build_api(ingress: OpenAIIngress) -> FastAPI:
                                      headers=_SSE_HEADERS)
         return JSONResponse(collect_completion(info, await stream.collect()))
 
+    def model_card() -> dict[str, Any]:
+        return {"id": ingress.model_id, "object": "model", "created": ingress.created,
+                "owned_by": "hisparse-serve", "max_model_len": ingress.max_model_len}
+
     @api.get("/v1/models", dependencies=guarded)
     async def models() -> dict[str, Any]:
-        card = {"id": ingress.model_id, "object": "model", "created": ingress.created,
-                "owned_by": "hisparse-serve", "max_model_len": ingress.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [model_card()]}
+
+    @api.get("/v1/models/{model:path}", dependencies=guarded)
+    async def model(model: str) -> dict[str, Any]:
+        """OpenAI's retrieve (`client.models.retrieve`); the path form, since a model id may hold slashes."""
+        ingress.check_model(model)
+        return model_card()
 
     @api.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request) -> dict[str, Any]:

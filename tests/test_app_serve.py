@@ -76,6 +76,10 @@ def _chat(text: str, **kw: Any) -> dict[str, Any]:
 def test_models_health_and_tokenizer_routes(client: openai.OpenAI) -> None:
     [model] = client.models.list().data
     assert model.id == MODEL
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("no-such-model")
+    assert missing.value.body["code"] == "model_not_found"
     assert httpx.get(f"{BASE}/health").status_code == 200
     tokens = httpx.post(f"{BASE}/tokenize", json={"prompt": "hello world"}).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 2048
