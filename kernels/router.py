@@ -20,7 +20,8 @@ exact in TF32), within float32 rounding of the IEEE product (2-3e-6 absolute at 
 cuBLAS, as IEEE dots in another order) on tensor cores: 7 us at 1-8 tokens and 13 us at 32 on an H200, where
 cuBLAS takes 6-19 us and IEEE dots in Triton 17-32 us. From `ROUTER_PARTIAL_TOKENS` up cuBLAS is faster and
 computes the logits whole. Up to `ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32 products summed
-in registers, one token per program (no mostly empty 16-row dot tiles).
+in registers, one token per program (no mostly empty 16-row dot tiles); a caller may raise that bound
+(`fma_tokens`): the indexer's head weights, [32, 6144] float32, take it up to 64 rows (engine/attention.py).
 """
 
 from __future__ import annotations

@@ -66,6 +66,22 @@ def _keys(s):
     return u ^ flip
 
 
+@triton.jit
+def _place(out_ptr, r, stride_o, cols, inside, key, kth, above_before, ties_before, ties_wanted):
+    """Writes the chosen positions among `cols`: keys above T and the row's first `ties_wanted` ties (by
+    position), after `above_before` keys above T and `ties_before` ties at earlier positions of the row (one
+    prefix sum counts both kinds before each position: keys above T in the low 16 bits, ties above them).
+    The one-program kernel places a whole row (nothing before it), the radix select one chunk of a row."""
+    ties_here = tl.maximum(ties_wanted - ties_before, 0)
+    above = inside & (key > kth)
+    tie = inside & (key == kth)
+    before = tl.cumsum(tl.where(above, 1, 0) + tl.where(tie, 1 << 16, 0), 0)
+    take = above | (tie & ((before >> 16) - 1 < ties_here))
+    place = (above_before + tl.minimum(ties_before, ties_wanted)
+             + (before & 0xFFFF) + tl.minimum(before >> 16, ties_here) - 1)
+    tl.store(out_ptr + r * stride_o + place, cols.to(out_ptr.dtype.element_ty), mask=take)
+
+
 @triton.jit(do_not_specialize=["width", "k"])
 def _topk_kernel(scores_ptr, out_ptr, width, k, stride_s, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.begin(PDL)
@@ -80,15 +96,8 @@ def _topk_kernel(scores_ptr, out_ptr, width, k, stride_s, stride_o, BLOCK: tl.co
         candidate = kth | tl.full([], 1 << (31 - b), tl.uint32)
         at_least = tl.sum(tl.where(key >= candidate, 1.0, 0.0))  # float32 counts are exact here; bool sums pack bits
         kth = tl.where(at_least >= k, candidate, kth)
-    above = key > kth
-    tie = key == kth
-    # one prefix sum counts both kinds before each position: keys above T in the low 16 bits, ties above them
-    before = tl.cumsum(tl.where(above, 1, 0) + tl.where(tie, 1 << 16, 0), 0)
-    ties_to_take = k - tl.sum(tl.where(above, 1, 0))
-    tie_rank = (before >> 16) - 1
-    take = above | (tie & (tie_rank < ties_to_take))
-    place = (before & 0xFFFF) + tl.minimum(before >> 16, ties_to_take) - 1
-    tl.store(out_ptr + r * stride_o + place, cols.to(out_ptr.dtype.element_ty), mask=take)
+    ties_to_take = k - tl.sum(tl.where(key > kth, 1, 0))
+    _place(out_ptr, r, stride_o, cols, inside, key, kth, 0, 0, ties_to_take)
 
 
 @triton.jit
@@ -125,20 +134,6 @@ def _pick_byte(total, bins, need):
     at_or_above = tl.sum(total) - tl.cumsum(total, 0) + total  # keys whose byte is >= each bin
     byte = tl.max(tl.where(at_or_above >= need, bins, -1))
     return byte, tl.sum(tl.where(bins > byte, total, 0))
-
-
-@triton.jit
-def _place(out_ptr, r, stride_o, cols, inside, key, kth, above_before, ties_before, ties_wanted):
-    """Writes the chosen positions among `cols`: keys above T and the row's first `ties_wanted` ties (by
-    position), after `above_before` keys above T and `ties_before` ties at earlier positions of the row."""
-    ties_here = tl.maximum(ties_wanted - ties_before, 0)
-    above = inside & (key > kth)
-    tie = inside & (key == kth)
-    before = tl.cumsum(tl.where(above, 1, 0) + tl.where(tie, 1 << 16, 0), 0)
-    take = above | (tie & ((before >> 16) - 1 < ties_here))
-    place = (above_before + tl.minimum(ties_before, ties_wanted)
-             + (before & 0xFFFF) + tl.minimum(before >> 16, ties_here) - 1)
-    tl.store(out_ptr + r * stride_o + place, cols.to(out_ptr.dtype.element_ty), mask=take)
 
 
 @triton.jit(do_not_specialize=["width", "k", "num_chunks"])
