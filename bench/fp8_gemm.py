@@ -56,6 +56,8 @@ SHAPES = {  # name: (N, K) of one TP8 rank
     "o_proj": (6144, 2048),
     "mlp_gate_up": (1536, 6144),
     "mlp_down": (6144, 1536),
+    "eh_proj": (6144, 12288),  # the MTP layer's input projection (replicated; FP8 for drafting)
+    "lm_head": (19360, 6144),  # the drafting head: the vocabulary's eighth as an FP8 copy
 }
 MS = (1, 8, 32, 64, 128)
 PAIRS = (("q_kv_a_proj", "wk"), ("q_b_proj", "wq_b"))  # linears of one input the engine runs as one launch

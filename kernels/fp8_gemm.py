@@ -90,6 +90,11 @@ def _soft_cvt() -> bool:
     return _interpreting() or not HW_FP8_CVT
 
 
+GEMV_MAX_WEIGHT = 64 << 20  # one token's GEMV up to this many weight bytes; beyond, the swapped split-K tiles
+# (H200, 2026-12-02: the drafting head [19360, 6144] 35.4 against 46.9 us, eh_proj [6144, 12288] about 29 against
+# 31.7: at most 60 % of the HBM copy for the GEMV's unrolled loads, 80 % for the tiles' five stages)
+
+
 @dataclass(frozen=True)
 class FP8GemmConfig:
     """Tile shapes of one `fp8_block_linear` launch (K tiles are always FP8_BLOCK wide)."""
@@ -117,11 +122,12 @@ class FP8GemmConfig:
             kb = triton.cdiv(k, FP8_BLOCK)
             split = max(1, min(triton.cdiv(num_sms, tiles), kb // 4))  # few tiles (small N): split K too
             return cls(block_m=64, block_n=64, split_k=triton.cdiv(kb, triton.cdiv(kb, split)), num_stages=3)
-        if m == 1:
+        if m == 1 and n * k < GEMV_MAX_WEIGHT:
             # one token: whole-K GEMV programs of a few weight rows (no split, so no partials and no last-arrival
             # sum); H200 sweeps at GLM-5.3's TP8 shapes (bench/RESULTS.md, 2026-12-01): 1-2 us under the split
             # tiles; a long K in 2,048-column tiles of 4 rows ([576, 6144]: 5.8 against 8.3 us in 1,024-column
-            # tiles of 8), 1,024-column tiles except where K is short and N long
+            # tiles of 8), 1,024-column tiles except where K is short and N long. Larger weights (the drafting
+            # head and eh_proj) stream faster through the tiles' pipelined loads.
             if k >= 4096:
                 return cls(block_m=16, block_n=4, gemv=True, gemv_block_k=2048)
             return cls(block_m=16, block_n=8, gemv=True, gemv_block_k=1024 if n <= 2048 else 512)

@@ -28,6 +28,7 @@ from kernels import pdl  # noqa: E402
 from kernels.fp8_gemm import (  # noqa: E402
     FP8_BLOCK,
     FP8GemmConfig,
+    GEMV_MAX_WEIGHT,
     dequantize_weight_blocks,
     fp8_block_linear,
     fp8_block_linear_pair,
@@ -295,7 +296,8 @@ def test_quantize_weight_blocks(n, k):
     assert ((deq - w).abs() <= 2.0**-4 * w.abs() + 2.0**-10 * smax).all()
 
 
-GLM_SHAPES = [(2048, 6144), (2048, 2048), (576, 6144), (6144, 2048), (1536, 6144), (6144, 1536)]
+GLM_SHAPES = [(2048, 6144), (2048, 2048), (576, 6144), (6144, 2048), (1536, 6144), (6144, 1536),
+              (19360, 6144), (6144, 12288)]  # the last two: the drafting head and eh_proj (one token a pass)
 
 
 @pytest.mark.parametrize("m", [1, 8, 32, 64, 128, 256, 1024, 4096, 32768])
@@ -304,6 +306,7 @@ def test_for_problem_configs(m):
         cfg = FP8GemmConfig.for_problem(m, n, k)
         assert cfg == FP8GemmConfig.for_problem(m, n, k)  # a function of the shape alone
         kb = triton_blocks(k)
+        assert cfg.gemv == (m == 1 and n * k < GEMV_MAX_WEIGHT), (n, k, cfg)  # a large weight streams in tiles
         assert 1 <= cfg.split_k <= kb and -(-kb // -(-kb // cfg.split_k)) == cfg.split_k  # no empty ranges
         if cfg.gemv:  # one token: whole-K programs of a few rows, one per 8 rows (72 for the narrowest)
             assert m == 1 and cfg.split_k == 1 and -(-n // cfg.block_n) >= 72, (n, k, cfg)

@@ -70,11 +70,15 @@ def speculative_step(model: GlmMoeDsaForCausalLM, batch: ForwardBatch, kv_pool: 
     replayed = Selection(selection.slots[base], selection.lens[base])
     stream = stream[base]
     writes = scratch_slots[: base.shape[0]]
-    for i in range(1, draft.num_speculative_tokens if base.numel() else 0):  # a step may sample nothing
-        positions = batch.positions[base] + i
-        cos, sin = model.rotary(positions, stream.dtype)
-        step_batch = dataclasses.replace(batch, input_ids=proposals[-1], positions=positions, mla_write_slots=writes)
-        step_ctx = StepContext(step_batch, cos, sin, kv_pool, layout, ops)
+    iterations = draft.num_speculative_tokens - 1 if base.numel() else 0  # a step may sample nothing
+    if iterations:  # every iteration's positions and rotary tables at once, [iteration, request]
+        ahead = torch.arange(1, iterations + 1, device=base.device)
+        positions = batch.positions[base][None, :] + ahead[:, None]
+        cos, sin = (t.view(*positions.shape, -1) for t in model.rotary(positions.reshape(-1), stream.dtype))
+    for i in range(iterations):
+        step_batch = dataclasses.replace(batch, input_ids=proposals[-1], positions=positions[i],
+                                         mla_write_slots=writes)
+        step_ctx = StepContext(step_batch, cos[i], sin[i], kv_pool, layout, ops)
         stream, normed = mtp.draft(model.model.embed_tokens(proposals[-1]), stream, step_ctx, replayed)
         proposals.append(model.draft_tokens(normed))
     drafts = torch.stack(proposals, dim=1).reshape(-1)
