@@ -24,9 +24,11 @@ from torch import nn
 from engine.attention import Selection, StepContext
 from engine.decoder_layer import DecoderLayer
 from engine.layers import RMSNorm
-from engine.linear import WeightFormat, make_linear
+from engine.linear import Fp8Linear, WeightFormat, make_linear
 from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
+from kernels.fp8_gemm import Fp8Activations
+from kernels.rmsnorm import rmsnorm_pair
 
 
 def draft_layers(num_speculative_tokens: int) -> int:
@@ -58,7 +60,15 @@ class MTPLayer(DecoderLayer):
         """(output stream [T, H], its normed form [T, H] for the logits) of rows whose token embeddings are
         `embeds` [T, H] and whose previous hidden states are `hidden` [T, H] (the target's final normed state,
         or this layer's output stream when iterating). Writes the rows' KV at `ctx.batch.mla_write_slots`."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        x = self.eh_proj(*self._joined(embeds, hidden))
         out, residual, _ = self(x, None, ctx, selection)
         stream = out + residual
         return stream, self.shared_head.norm(stream)
+
+    def _joined(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, Fp8Activations | None]:
+        """`eh_proj`'s input [enorm(embeds), hnorm(hidden)] [T, 2H] and, for an FP8 `eh_proj`, its quantisation:
+        one launch on a GPU (kernels/rmsnorm.py `rmsnorm_pair`) for the two norms, the join and the quantisation."""
+        if embeds.is_cuda and embeds.dtype == hidden.dtype == self.enorm.weight.dtype == self.hnorm.weight.dtype:
+            return rmsnorm_pair(embeds, self.enorm.weight, hidden, self.hnorm.weight, self.enorm.eps,
+                                fp8=isinstance(self.eh_proj, Fp8Linear))
+        return torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1), None

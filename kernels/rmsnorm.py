@@ -33,13 +33,26 @@ _CHUNK = 1024  # columns written per program (GLM-5.3's 6144-wide norms: 6 progr
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, sum_ptr, w_ptr, out_ptr, q_ptr, s_ptr, x_row_stride, r_row_stride, out_row_stride,
-                    s_row_stride, dim, eps, BLOCK: tl.constexpr, CHUNK: tl.constexpr, ADD: tl.constexpr,
-                    QUANT: tl.constexpr, SOFT_CVT: tl.constexpr, PDL: tl.constexpr):
+                    s_row_stride, dim, eps, pair_chunks, x2_offset, w2_offset, x2_row_stride, BLOCK: tl.constexpr,
+                    CHUNK: tl.constexpr, ADD: tl.constexpr, QUANT: tl.constexpr, PAIR: tl.constexpr,
+                    SOFT_CVT: tl.constexpr, PDL: tl.constexpr):
     """Program (row, c): the row's mean square from the whole row, then columns [c * CHUNK, (c + 1) * CHUNK)
-    normalised (and added, and quantised): a wide row's writes and quantisation spread over several SMs."""
+    normalised (and added, and quantised): a wide row's writes and quantisation spread over several SMs.
+    With PAIR, programs from `pair_chunks` on normalise a second input (its rows and weight reached by element
+    offsets from the first's, which keeps the loads' alignment) into the `dim` columns after the first's."""
     pdl.begin(PDL)
     pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    if PAIR:
+        second = chunk >= pair_chunks
+        x_ptr += tl.where(second, x2_offset, 0)
+        w_ptr += tl.where(second, w2_offset, 0)
+        x_row_stride = tl.where(second, x2_row_stride, x_row_stride)
+        out_ptr += tl.where(second, dim, 0)
+        q_ptr += tl.where(second, dim, 0)
+        s_ptr += tl.where(second, dim // 128, 0)
+        chunk = tl.where(second, chunk - pair_chunks, chunk)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
     x = tl.load(x_ptr + row * x_row_stride + offs, mask=mask, other=0.0)
@@ -48,7 +61,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, sum_ptr, w_ptr, out_ptr, q_ptr, s_ptr, x_row_s
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
     xf = x.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / dim + eps)
-    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
     cmask = cols < dim
     xc = tl.load(x_ptr + row * x_row_stride + cols, mask=cmask, other=0.0)
     if ADD:
@@ -63,7 +76,7 @@ def _rmsnorm_kernel(x_ptr, r_ptr, sum_ptr, w_ptr, out_ptr, q_ptr, s_ptr, x_row_s
         GROUPS: tl.constexpr = CHUNK // 128
         q, scale = _quantize_groups(tl.reshape(out.to(tl.float32), [GROUPS, 128]), SOFT_CVT)
         tl.store(q_ptr + row * out_row_stride + cols, tl.reshape(q, [CHUNK]), mask=cmask)
-        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        g = chunk * GROUPS + tl.arange(0, GROUPS)
         tl.store(s_ptr + row * s_row_stride + g, scale, mask=g * 128 < dim)
 
 
@@ -91,9 +104,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
             rows, rows if residual is None else res_rows, out if total is None else total, weight, out,
             out if quant is None else quant.q, out if quant is None else quant.scales,
             rows.stride(0), 0 if residual is None else res_rows.stride(0), out.stride(0),
-            0 if quant is None else quant.scales.stride(0), dim, eps, BLOCK=block, CHUNK=chunk,
-            ADD=residual is not None, QUANT=fp8, SOFT_CVT=_soft_cvt(), num_warps=max(1, min(16, block // 256)),
-            **pdl.launch_options(rows.device))
+            0 if quant is None else quant.scales.stride(0), dim, eps, 0, 0, 0, 0, BLOCK=block, CHUNK=chunk,
+            ADD=residual is not None, QUANT=fp8, PAIR=False, SOFT_CVT=_soft_cvt(),
+            num_warps=max(1, min(16, block // 256)), **pdl.launch_options(rows.device))
     return out.view(x.shape), None if total is None else total.view(x.shape), quant
 
 
@@ -119,3 +132,34 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: tor
     out, total, quant = _launch(x, weight, eps, residual, True)
     assert quant is not None
     return out, total, quant
+
+
+def rmsnorm_pair(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight2: torch.Tensor, eps: float,
+                 fp8: bool) -> tuple[torch.Tensor, Fp8Activations | None]:
+    """([norm(x), norm2(x2)] side by side [T, 2D], quantised for FP8 GEMMs when `fp8`) in one launch, for rows
+    x, x2 [T, D] of one dtype: the MTP layer's joined input (`enorm` of the token embeddings, `hnorm` of the
+    hidden states), which the eager form builds in two norms, a concatenation and a quantisation. Each half
+    is what `rmsnorm` / `rmsnorm_fp8` makes of its input (D % 128 == 0: no quantisation group spans both)."""
+    if x.dim() != 2 or x2.shape != x.shape or x2.dtype != x.dtype or weight2.shape != weight.shape:
+        raise ValueError(f"rmsnorm_pair takes two inputs [T, D] alike, got {tuple(x.shape)} and {tuple(x2.shape)}")
+    rows, dim = x.shape
+    if (weight.shape != (dim,) or weight.dtype != x.dtype or weight2.dtype != x.dtype or x.stride(1) != 1
+            or x2.stride(1) != 1 or dim % FP8_BLOCK):
+        raise ValueError("rmsnorm_pair needs weights [D] of the inputs' dtype, contiguous rows and D % 128 == 0")
+    out = torch.empty((rows, 2 * dim), dtype=x.dtype, device=x.device)
+    quant = None
+    if fp8:
+        quant = Fp8Activations(torch.empty(out.shape, dtype=torch.float8_e4m3fn, device=x.device),
+                               torch.empty((rows, 2 * dim // FP8_BLOCK), dtype=torch.float32, device=x.device))
+    if rows:
+        size = x.element_size()
+        block = triton.next_power_of_2(dim)
+        chunk = min(block, _CHUNK)
+        chunks = triton.cdiv(dim, chunk)
+        _rmsnorm_kernel[(rows, 2 * chunks)](
+            x, x, out, weight, out, out if quant is None else quant.q, out if quant is None else quant.scales,
+            x.stride(0), 0, out.stride(0), 0 if quant is None else quant.scales.stride(0), dim, eps, chunks,
+            (x2.data_ptr() - x.data_ptr()) // size, (weight2.data_ptr() - weight.data_ptr()) // size, x2.stride(0),
+            BLOCK=block, CHUNK=chunk, ADD=False, QUANT=fp8, PAIR=True, SOFT_CVT=_soft_cvt(),
+            num_warps=max(1, min(16, block // 256)), **pdl.launch_options(x.device))
+    return out, quant

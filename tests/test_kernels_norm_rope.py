@@ -14,7 +14,7 @@ import torch  # noqa: E402
 
 from engine.layers import RMSNorm, apply_rope  # noqa: E402
 from kernels.fp8_gemm import fp8_block_linear, quantize_activations, quantize_weight_blocks  # noqa: E402
-from kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_fp8  # noqa: E402
+from kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_fp8, rmsnorm_pair  # noqa: E402
 from kernels.rope import rope  # noqa: E402
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -102,3 +102,22 @@ def test_rmsnorm_fp8_writes_the_gemm_input_a_linear_would_make(dtype: torch.dtyp
     assert none is None and torch.equal(plain, rmsnorm(x, weight, 1e-6))
     with pytest.raises(ValueError):
         fp8_block_linear(out[:2], w, ws, x_fp8=quant)  # a quantisation of other rows is refused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rmsnorm_pair_is_two_norms_joined(dtype: torch.dtype) -> None:
+    """The MTP layer's joined input in one launch: [norm(x), norm2(x2)] bit for bit the two norms concatenated,
+    its FP8 copy bit for bit the quantisation of that concatenation (a strided second input included)."""
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.randn(3, 256, generator=gen) * 3).to(dtype)
+    x2 = (torch.randn(3, 512, generator=gen) * 2).to(dtype)[:, 128:384]  # rows 512 apart
+    weight, weight2 = ((torch.rand(256, generator=gen) + 0.5).to(dtype) for _ in range(2))
+    joined, quant = rmsnorm_pair(x, weight, x2, weight2, 1e-6, fp8=True)
+    want = torch.cat([rmsnorm(x, weight, 1e-6), rmsnorm(x2, weight2, 1e-6)], dim=-1)
+    assert torch.equal(joined, want)
+    q, scales = quantize_activations(want)
+    assert torch.equal(quant.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(quant.scales, scales)
+    plain, none = rmsnorm_pair(x, weight, x2, weight2, 1e-6, fp8=False)
+    assert none is None and torch.equal(plain, want)
+    with pytest.raises(ValueError):
+        rmsnorm_pair(x[:, :200], weight[:200], x2[:, :200], weight2[:200], 1e-6, fp8=True)  # D % 128 != 0

@@ -51,7 +51,7 @@ ROUTER = ("router:_router_logits_fma_kernel", {"x_ptr": "*bf16", "w_ptr": "*fp32
           {"BLOCK_E": 16, "BLOCK_K": 128, "BLOCK_S": 64})
 NORM = ("rmsnorm:_rmsnorm_kernel", {"x_ptr": "*bf16", "r_ptr": "*bf16", "sum_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
                           "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "eps": "fp32"},
-        {"BLOCK": 8192, "CHUNK": 1024, "ADD": True, "QUANT": True, "SOFT_CVT": False})
+        {"BLOCK": 8192, "CHUNK": 1024, "ADD": True, "QUANT": True, "PAIR": False, "SOFT_CVT": False})
 
 
 @pytest.mark.parametrize("kernel, types, constexprs, prefetches", [(*GEMV, True), (*GEMM, True), (*ROUTER, False),

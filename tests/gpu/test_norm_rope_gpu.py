@@ -70,6 +70,23 @@ def test_rmsnorm_fp8_bf16(rows: int, dim: int) -> None:
     assert torch.equal(quant.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(quant.scales, scales)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_rmsnorm_pair_bf16(rows: int) -> None:
+    """The MTP layer's joined input at GLM-5.3's hidden size: bit for bit the two norms concatenated and the
+    GEMM's own quantisation of that (the second input in a separate allocation, as the engine passes it)."""
+    from kernels.fp8_gemm import quantize_activations
+    from kernels.rmsnorm import rmsnorm_pair
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x, x2 = ((torch.randn(rows, 6144, device="cuda", generator=gen) * 4).bfloat16() for _ in range(2))
+    weight, weight2 = ((torch.rand(6144, device="cuda", generator=gen) + 0.5).bfloat16() for _ in range(2))
+    joined, quant = rmsnorm_pair(x, weight, x2, weight2, 1e-5, fp8=True)
+    want = torch.cat([rmsnorm(x, weight, 1e-5), rmsnorm(x2, weight2, 1e-5)], dim=-1)
+    assert torch.equal(joined, want)
+    q, scales = quantize_activations(want)
+    assert torch.equal(quant.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(quant.scales, scales)
+
+
 @pytest.mark.parametrize("rows", [1, 8, 64])
 def test_mla_query_bf16(rows: int) -> None:
     """The absorbed query at one rank's GLM-5.3 shapes (8 heads, Dn 192, Dr 64, Dl 512) equals the eager einsum,
