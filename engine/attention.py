@@ -105,7 +105,8 @@ class Indexer(nn.Module):
             positions = torch.zeros(batch.num_rows, topk, dtype=torch.long, device=x.device)
             positions[:, : chosen.positions.shape[1]] = chosen.positions
         lens = chosen.counts
-        return Selection(*ops.selection_indices(batch.resolve_selection(full_index, positions, lens), lens))
+        slots = batch.resolve_selection(full_index, positions, lens, ops.index_dtype)
+        return Selection(*ops.selection_indices(slots, lens))
 
 
 def fuses_latent_projections(cfg: ModelConfig, fmt: WeightFormat) -> bool:

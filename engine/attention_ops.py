@@ -34,6 +34,8 @@ class TopK(NamedTuple):
 
 
 class AttentionOps(Protocol):
+    index_dtype: torch.dtype  # of the slots and lens `sparse_mla` reads (`selection_indices` converts to it)
+
     def write_mla_rows(self, kv_pool: torch.Tensor, layer: int, slots: torch.Tensor, latent: torch.Tensor,
                        rope: torch.Tensor, prep: LatentPrep | None = None) -> None:
         """Stores latent [N, Dl] and roped key [N, Dr] as layer `layer`'s rows at `slots` (distinct). With
@@ -77,6 +79,8 @@ class AttentionOps(Protocol):
 
 class TorchAttentionOps:
     """Reference implementation: gathers and decodes rows, then plain tensor math."""
+
+    index_dtype = torch.int64
 
     def __init__(self, layout: KVLayout) -> None:
         self.layout = layout

@@ -20,6 +20,7 @@ import torch
 
 from engine.kv_layout import KVLayout
 from engine.rank.step import StepInput
+from kernels.page_slots import page_slots, page_slots_ref
 from residency.rank import DecodeLeases, NonResidentSpec, RankResidency
 
 
@@ -80,19 +81,21 @@ class ForwardBatch:
     def num_rows(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def mla_slots(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Physical MLA slots of token `positions` [N, K] of the requests of `rows` [N]."""
-        table = self.mla_page_table[self.req_of_row[rows]]
-        pages = table.gather(1, (positions // self.page_size).long())
-        return pages * self.page_size + positions % self.page_size
+    def mla_slots(self, positions: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """Physical MLA slots of every row's token `positions` [T, K], in `dtype` (one launch on a GPU)."""
+        slots_of = page_slots if positions.is_cuda else page_slots_ref
+        return slots_of(self.mla_page_table, self.req_of_row, positions, self.page_size, dtype)
 
-    def resolve_selection(self, group: int, positions: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """KV slots of the chosen positions [T, K]: in place for resident pages, hot slots otherwise."""
+    def resolve_selection(self, group: int, positions: torch.Tensor, lens: torch.Tensor,
+                          index_dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """KV slots of the chosen positions [T, K]: in place for resident pages, hot slots otherwise; in
+        `index_dtype` (what the attention reads) when every page is resident, else int64."""
         decode = self.decode_leases
         if decode is not None and decode.rows is None:  # every row (a decode graph): resident ones in place
             return self.residency.resolve_decode(decode, group, positions, lens)
-        rows = torch.arange(self.num_rows, device=positions.device)
-        slots = self.mla_slots(rows, positions)
+        if decode is None and not self.nonresident:
+            return self.mla_slots(positions, index_dtype)
+        slots = self.mla_slots(positions)
         for b, spec in self.nonresident.items():
             span = slice(*self.row_ranges[b])
             self.residency.resolve_rows(spec, group, positions[span], lens[span], self.step, slots[span])

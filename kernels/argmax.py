@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.fp8_gemm import _interpreting
 
 BLOCK = 4096  # columns per chunk (eight warps: 16 a thread)
 MAX_CHUNKS = 16  # unrolled chunks a program holds loads for; wider rows loop over groups of them
@@ -45,11 +44,9 @@ def _row_argmax_kernel(x_ptr, out_ptr, cols, stride_x, BLOCK: tl.constexpr, CHUN
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """int64 [S]: the column of each row's largest value in x [S, V] (float, finite), the first of equal
-    ones, as `torch.argmax(x, dim=-1)`. Off CUDA (and not interpreting) it is that call."""
+    ones, as `torch.argmax(x, dim=-1)`."""
     if x.dim() != 2 or x.shape[1] == 0:
         raise ValueError(f"x must be [S, V >= 1], got {tuple(x.shape)}")
-    if not (x.is_cuda or _interpreting()):
-        return x.argmax(dim=-1)
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, cols = x.shape

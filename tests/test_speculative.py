@@ -202,9 +202,10 @@ def test_draft_iterations_replay_the_resolve(tiny_dir: Path, reference: list[lis
     calls: list[int] = []
     resolve = ForwardBatch.resolve_selection
 
-    def counting(self: ForwardBatch, group: int, positions: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    def counting(self: ForwardBatch, group: int, positions: torch.Tensor, lens: torch.Tensor,
+                 index_dtype: torch.dtype = torch.int64) -> torch.Tensor:
         calls.append(len(self.nonresident) + (self.decode_leases is not None))
-        return resolve(self, group, positions, lens)
+        return resolve(self, group, positions, lens, index_dtype)
 
     monkeypatch.setattr(ForwardBatch, "resolve_selection", counting)
     engine = _engine(tiny_dir, 3, "hybrid", 16)
