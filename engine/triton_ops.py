@@ -49,6 +49,7 @@ class _IndexerRows(NamedTuple):
 
 class TritonAttentionOps(TorchAttentionOps):
     index_dtype = torch.int32
+
     def write_mla_rows(self, kv_pool: torch.Tensor, layer: int, slots: torch.Tensor, latent: torch.Tensor,
                        rope: torch.Tensor, prep: LatentPrep | None = None) -> None:
         """FP8 rows are normalised, rotated (with `prep`), quantised and stored by one launch (the PyTorch

@@ -1,11 +1,11 @@
 """Each row's argmax in one launch of one program a row: the drafting head's token choice.
 
 A drafting pass picks each request's most probable next token from its rank's logits row ([R, V / ranks],
-19,360 columns at GLM-5.3 on eight ranks). torch's reduction launches a grid of programs for so few rows
-and adds its partial results through memory: about 9 us a call on an H200, four calls a speculative step of
-four drafts. Here one program walks its row in BLOCK-wide chunks whose loads are all issued at once (the
-chunk loop is unrolled), keeps each lane's best value and its first column, then reduces the lanes: the
-first column among equal maxima, as `torch.argmax` picks. NaN is out of scope (logits are finite).
+19,360 columns at GLM-5.3 on eight ranks). torch's argmax took about 9 us a call for one such bf16 row on an
+H200, four calls a speculative step of four drafts; this kernel 2.5 us. One program walks its row in BLOCK-wide
+chunks whose loads are all issued at once (the chunk loop is unrolled), keeps each lane's best value and its
+first column, then reduces the lanes: the first column among equal maxima, as `torch.argmax` picks. NaN is out
+of scope (logits are finite).
 Contents: `row_argmax`; its twin is `torch.argmax(x, dim=-1)`.
 """
 

@@ -19,7 +19,7 @@ reduced-precision accumulation inside each 128-deep fp8 dot, as in DeepSeek's
 and Triton's fp8 GEMMs).
 
 One launch shape per problem (`FP8GemmConfig.for_problem`):
-- one token (decode at batch 1): `gemv` programs of 8 weight rows stream the
+- one token (decode at batch 1), weights under 64 MB: `gemv` programs of 8 weight rows stream the
   whole K, multiply in float32 registers (no tensor cores) and store; no split,
   so none of the split tiles' partials and last-arrival sum, which cost 1-2 us a
   launch at these sizes.
@@ -91,8 +91,8 @@ def _soft_cvt() -> bool:
 
 
 GEMV_MAX_WEIGHT = 64 << 20  # one token's GEMV up to this many weight bytes; beyond, the swapped split-K tiles
-# (H200, 2026-12-02: the drafting head [19360, 6144] 35.4 against 46.9 us, eh_proj [6144, 12288] about 29 against
-# 31.7: at most 60 % of the HBM copy for the GEMV's unrolled loads, 80 % for the tiles' five stages)
+# (H200, 2026-12-02: the drafting head [19360, 6144] 35.4-38.0 against 46.9 us, eh_proj [6144, 12288] 27.0 against
+# 31.7: at most 60 % of the HBM copy for the GEMV's unrolled loads, 73-79 % for the tiles' five stages)
 
 
 @dataclass(frozen=True)
