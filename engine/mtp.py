@@ -27,7 +27,7 @@ from engine.layers import RMSNorm
 from engine.linear import Fp8Linear, WeightFormat, make_linear
 from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
-from kernels.fp8_gemm import Fp8Activations
+from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations
 from kernels.rmsnorm import rmsnorm_pair
 
 
@@ -68,7 +68,8 @@ class MTPLayer(DecoderLayer):
     def _joined(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, Fp8Activations | None]:
         """`eh_proj`'s input [enorm(embeds), hnorm(hidden)] [T, 2H] and, for an FP8 `eh_proj`, its quantisation:
         one launch on a GPU (kernels/rmsnorm.py `rmsnorm_pair`) for the two norms, the join and the quantisation."""
-        if embeds.is_cuda and embeds.dtype == hidden.dtype == self.enorm.weight.dtype == self.hnorm.weight.dtype:
-            return rmsnorm_pair(embeds, self.enorm.weight, hidden, self.hnorm.weight, self.enorm.eps,
-                                fp8=isinstance(self.eh_proj, Fp8Linear))
+        fp8 = isinstance(self.eh_proj, Fp8Linear)
+        if (embeds.is_cuda and embeds.dtype == hidden.dtype == self.enorm.weight.dtype == self.hnorm.weight.dtype
+                and not (fp8 and embeds.shape[-1] % FP8_BLOCK)):
+            return rmsnorm_pair(embeds, self.enorm.weight, hidden, self.hnorm.weight, self.enorm.eps, fp8)
         return torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1), None

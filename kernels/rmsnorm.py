@@ -139,13 +139,15 @@ def rmsnorm_pair(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight
     """([norm(x), norm2(x2)] side by side [T, 2D], quantised for FP8 GEMMs when `fp8`) in one launch, for rows
     x, x2 [T, D] of one dtype: the MTP layer's joined input (`enorm` of the token embeddings, `hnorm` of the
     hidden states), which the eager form builds in two norms, a concatenation and a quantisation. Each half
-    is what `rmsnorm` / `rmsnorm_fp8` makes of its input (D % 128 == 0: no quantisation group spans both)."""
+    is what `rmsnorm` / `rmsnorm_fp8` makes of its input (with `fp8`, D % 128 == 0: no group spans both)."""
     if x.dim() != 2 or x2.shape != x.shape or x2.dtype != x.dtype or weight2.shape != weight.shape:
         raise ValueError(f"rmsnorm_pair takes two inputs [T, D] alike, got {tuple(x.shape)} and {tuple(x2.shape)}")
     rows, dim = x.shape
     if (weight.shape != (dim,) or weight.dtype != x.dtype or weight2.dtype != x.dtype or x.stride(1) != 1
-            or x2.stride(1) != 1 or dim % FP8_BLOCK):
-        raise ValueError("rmsnorm_pair needs weights [D] of the inputs' dtype, contiguous rows and D % 128 == 0")
+            or x2.stride(1) != 1):
+        raise ValueError("rmsnorm_pair needs weights [D] of the inputs' dtype and rows with unit last stride")
+    if fp8 and dim % FP8_BLOCK:
+        raise ValueError(f"rmsnorm_pair quantises whole 128-column groups of each half: D = {dim} is not a multiple")
     out = torch.empty((rows, 2 * dim), dtype=x.dtype, device=x.device)
     quant = None
     if fp8:

@@ -119,5 +119,8 @@ def test_rmsnorm_pair_is_two_norms_joined(dtype: torch.dtype) -> None:
     assert torch.equal(quant.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(quant.scales, scales)
     plain, none = rmsnorm_pair(x, weight, x2, weight2, 1e-6, fp8=False)
     assert none is None and torch.equal(plain, want)
+    narrow, none = rmsnorm_pair(x[:, :96], weight[:96], x2[:, :96], weight2[:96], 1e-6, fp8=False)  # any D unquantised
+    assert none is None and torch.equal(narrow, torch.cat([rmsnorm(x[:, :96], weight[:96], 1e-6),
+                                                           rmsnorm(x2[:, :96], weight2[:96], 1e-6)], dim=-1))
     with pytest.raises(ValueError):
         rmsnorm_pair(x[:, :200], weight[:200], x2[:, :200], weight2[:200], 1e-6, fp8=True)  # D % 128 != 0
