@@ -80,6 +80,13 @@ def _rmsnorm_kernel(x_ptr, r_ptr, sum_ptr, w_ptr, out_ptr, q_ptr, s_ptr, x_row_s
         tl.store(s_ptr + row * s_row_stride + g, scale, mask=g * 128 < dim)
 
 
+def _tiles(dim: int) -> tuple[int, int, int]:
+    """(BLOCK, CHUNK, warps) of a launch over rows of `dim` columns: the whole row for its mean square (at
+    least one 128-column quantisation group), at most `_CHUNK` columns written a program."""
+    block = max(FP8_BLOCK, triton.next_power_of_2(dim))
+    return block, min(block, _CHUNK), max(1, min(16, block // 256))
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None, fp8: bool
             ) -> tuple[torch.Tensor, torch.Tensor | None, Fp8Activations | None]:
     dim = x.shape[-1]
@@ -98,15 +105,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
                                torch.empty((rows.shape[0], -(-dim // FP8_BLOCK)), dtype=torch.float32,
                                            device=x.device))
     if rows.shape[0]:
-        block = max(FP8_BLOCK, triton.next_power_of_2(dim))
-        chunk = min(block, _CHUNK)
+        block, chunk, warps = _tiles(dim)
         _rmsnorm_kernel[(rows.shape[0], triton.cdiv(dim, chunk))](
             rows, rows if residual is None else res_rows, out if total is None else total, weight, out,
             out if quant is None else quant.q, out if quant is None else quant.scales,
             rows.stride(0), 0 if residual is None else res_rows.stride(0), out.stride(0),
             0 if quant is None else quant.scales.stride(0), dim, eps, 0, 0, 0, 0, BLOCK=block, CHUNK=chunk,
-            ADD=residual is not None, QUANT=fp8, PAIR=False, SOFT_CVT=_soft_cvt(),
-            num_warps=max(1, min(16, block // 256)), **pdl.launch_options(rows.device))
+            ADD=residual is not None, QUANT=fp8, PAIR=False, SOFT_CVT=_soft_cvt(), num_warps=warps,
+            **pdl.launch_options(rows.device))
     return out.view(x.shape), None if total is None else total.view(x.shape), quant
 
 
@@ -155,13 +161,12 @@ def rmsnorm_pair(x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, weight
                                torch.empty((rows, 2 * dim // FP8_BLOCK), dtype=torch.float32, device=x.device))
     if rows:
         size = x.element_size()
-        block = triton.next_power_of_2(dim)
-        chunk = min(block, _CHUNK)
+        block, chunk, warps = _tiles(dim)
         chunks = triton.cdiv(dim, chunk)
         _rmsnorm_kernel[(rows, 2 * chunks)](
             x, x, out, weight, out, out if quant is None else quant.q, out if quant is None else quant.scales,
             x.stride(0), 0, out.stride(0), 0 if quant is None else quant.scales.stride(0), dim, eps, chunks,
             (x2.data_ptr() - x.data_ptr()) // size, (weight2.data_ptr() - weight.data_ptr()) // size, x2.stride(0),
-            BLOCK=block, CHUNK=chunk, ADD=False, QUANT=fp8, PAIR=True, SOFT_CVT=_soft_cvt(),
-            num_warps=max(1, min(16, block // 256)), **pdl.launch_options(x.device))
+            BLOCK=block, CHUNK=chunk, ADD=False, QUANT=fp8, PAIR=True, SOFT_CVT=_soft_cvt(), num_warps=warps,
+            **pdl.launch_options(x.device))
     return out, quant

@@ -57,9 +57,9 @@ class SparseMLAConfig:
         step of k = 4 at B = 1: 17.0 against 19.2 us with 64-row tiles); below 128 rows
         without the register prefetch (B = 8 / 32 / 64: 18.2 / 56.7 / 101.3 us against 19.8 / 60.8 / 108.5
         with it: the prefetched tile spills at 255 registers), from 128 rows with it and 8 waves (207.5 against
-        218.0); below 4 rows, 64-row tiles in two stages (B = 1: 11.0 against 11.9 us in three). bf16 rows from 8 rows on: 32-row tiles
-        of four warps in 2 waves (B = 32 / 64 / 128: 39.2 / 64.7 / 104.8 us against 54.3 / 83.9 / 154.9 with
-        64-row tiles of eight warps)."""
+        218.0); below 4 rows, 64-row tiles in two stages (B = 1: 11.0 against 11.9 us in three). bf16 rows
+        from 8 rows on: 32-row tiles of four warps in 2 waves (B = 32 / 64 / 128: 39.2 / 64.7 / 104.8 us against
+        54.3 / 83.9 / 154.9 with 64-row tiles of eight warps)."""
         if num_heads > 16 and kv_format == "fp8":
             return cls(block_h=64, block_k=32, num_warps=8, num_stages=2, waves=4)
         if num_heads > 16:
