@@ -24,16 +24,17 @@ launcher `sparse_mla` (same signature as the twin) that checks its inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import fp8_rows, pdl
+from kernels import fp8_rows, pdl, sparse_mla_cuda
 
 
 KV_FORMATS = ("fp8", "bf16", "float32")
+CUDA_MIN_ROWS = 8  # below, the CUDA kernel's one tile a warp loses to the Triton kernel's 64-row tiles
 _LOG2E = 1.4426950408889634
 
 
@@ -49,9 +50,22 @@ class SparseMLAConfig:
     num_stages: int = 2
     prefetch: bool = False  # load tile i+1 into registers while tile i computes
     dequant_f32: bool = False  # fp8 rows: scale in float32 (else in the compute dtype, fp16)
+    cuda: bool = False  # the CUDA kernel (kernels/sparse_mla_fp8.cu) where `sparse_mla_cuda.supports` holds
+    cuda_waves: float = 1.0  # its splits: about this many times the CTAs the GPU holds at once
 
     @classmethod
     def for_problem(cls, num_heads: int, kv_format: str, num_rows: int = 1) -> "SparseMLAConfig":
+        """The measured defaults on an H200 (bench/RESULTS.md): from CUDA_MIN_ROWS query rows, FP8 rows at up
+        to 8 heads take the CUDA kernel (B = 8 / 32 / 64 / 128: 17.4 / 30.6 / 45.7 / 67.9 us against the Triton
+        kernel's 18.3 / 56.6 / 101.2 / 211.0, fifteenth session); the Triton tiles stay for the rest and for
+        machines where the CUDA kernel cannot be built."""
+        tiles = cls._triton_tiles(num_heads, kv_format, num_rows)
+        if kv_format == "fp8" and num_heads <= sparse_mla_cuda.MAX_HEADS and num_rows >= CUDA_MIN_ROWS:
+            return replace(tiles, cuda=True)
+        return tiles
+
+    @classmethod
+    def _triton_tiles(cls, num_heads: int, kv_format: str, num_rows: int) -> "SparseMLAConfig":
         """Best measured tiles on an H200 (bench/RESULTS.md) for this head count, row format and number of
         query rows. FP8 rows at a few heads: from 4 rows on, 32-row tiles of four warps (5 rows, a verifying
         step of k = 4 at B = 1: 17.0 against 19.2 us with 64-row tiles); below 128 rows
@@ -338,6 +352,8 @@ def sparse_mla(
         raise ValueError(f"out must be [N, H, {latent_dim}] with unit last stride on q's device")
     if n == 0 or h == 0:
         return out
+    if cfg.cuda and sparse_mla_cuda.supports(q, kv, out, kv_format, latent_dim, rope_dim):
+        return _sparse_mla_cuda(q, kv, slots, lens, out, scale, cfg)
     block_h = cfg.block_h
     if block_h < 16 or block_h & (block_h - 1):
         raise ValueError(f"block_h must be a power of two >= 16, got {block_h}")
@@ -362,9 +378,35 @@ def sparse_mla(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(q.device)
     )
     if splits > 1:
-        _combine_kernel[(h, n)](
-            part, lse, out, h, splits, out.stride(0), out.stride(1),
-            DL=latent_dim, BLOCK_S=triton.next_power_of_2(splits), num_warps=4, **pdl.launch_options(part.device)
-        )
+        _combine(part, lse, out)
+    return out
+
+
+def _combine(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    n, splits, h, latent_dim = part.shape
+    _combine_kernel[(h, n)](
+        part, lse, out, h, splits, out.stride(0), out.stride(1),
+        DL=latent_dim, BLOCK_S=triton.next_power_of_2(splits), num_warps=4, **pdl.launch_options(part.device)
+    )
+
+
+def _sparse_mla_cuda(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor,
+                     out: torch.Tensor, scale: float, cfg: SparseMLAConfig) -> torch.Tensor:
+    """The CUDA kernel's launch, its splits merged by the combine kernel."""
+    n, h, _ = q.shape
+    k = slots.shape[1]
+    if cfg.num_splits is not None:
+        step = sparse_mla_cuda.DEFAULT.rows_per_step
+        split_len = triton.cdiv(triton.cdiv(max(k, 1), cfg.num_splits), step) * step
+        splits = max(1, triton.cdiv(k, split_len))
+    else:
+        splits, split_len = sparse_mla_cuda.num_splits(n, k, cfg.cuda_waves, q.device)
+    part = lse = None
+    if splits > 1:
+        part = torch.empty((n, splits, h, out.shape[2]), dtype=torch.float32, device=q.device)
+        lse = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
+    sparse_mla_cuda.launch(q, kv, slots, lens, out, part, lse, splits, split_len, scale * _LOG2E)
+    if splits > 1:
+        _combine(part, lse, out)
     return out
 

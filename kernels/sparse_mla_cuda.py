@@ -1,0 +1,108 @@
+"""Launcher of the CUDA sparse MLA decode over FP8 rows (`sparse_mla_fp8.cu`): GLM's row shape (512 latent
+values, 64 rope values), at most 8 heads (one rank of GLM-5.3 at TP 8), bf16 queries, on a GPU of compute
+capability 9.0 with nvcc at hand. `kernels.sparse_mla.sparse_mla` takes it for the configurations that ask
+for it (`SparseMLAConfig.cuda`) when `supports` holds, and merges its splits with the Triton combine kernel;
+elsewhere the Triton kernel runs."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+from kernels.cubin import CudaKernel
+
+LATENT_DIM, ROPE_DIM, MAX_HEADS = 512, 64, 8
+TILE = 16  # rows a warp tile, as in the .cu
+ROW_BYTES = LATENT_DIM + 4 * (LATENT_DIM // 128) + 2 * ROPE_DIM
+_SOURCE = Path(__file__).with_name("sparse_mla_fp8.cu")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The .cu's compile-time shape: warps a CTA, tiles in flight a warp, CTAs an SM (the launch bound).
+    Measured on an H200 (bench/NOTES.md, fifteenth session): eight warps in one CTA an SM beat four in two
+    (45.7 against 49.5 us at B = 64), and both beat four or more stages with fewer warps; the shared
+    memory (two 10.5 KB stages a warp) allows no more."""
+
+    warps: int = 8
+    stages: int = 2
+    ctas_per_sm: int = 1
+
+    @property
+    def rows_per_step(self) -> int:
+        """A split is a whole number of these: one tile for each warp."""
+        return self.warps * TILE
+
+    @property
+    def shared_bytes(self) -> int:
+        return MAX_HEADS * (LATENT_DIM + 16) * 2 + self.warps * self.stages * (TILE * ROW_BYTES + 8)
+
+    @property
+    def defines(self) -> tuple[tuple[str, int], ...]:
+        return (("SMLA_WARPS", self.warps), ("SMLA_STAGES", self.stages), ("SMLA_CTAS_PER_SM", self.ctas_per_sm))
+
+
+DEFAULT = Variant()
+_kernels: dict[Variant, CudaKernel] = {}
+
+
+def _kernel(variant: Variant) -> CudaKernel:
+    if variant not in _kernels:
+        _kernels[variant] = CudaKernel(_SOURCE, "sparse_mla_fp8_h8", variant.shared_bytes, variant.defines)
+    return _kernels[variant]
+
+
+class _Params(ctypes.Structure):
+    """`SparseMLAParams` of the .cu, field for field."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("kv", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("lens", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("part", ctypes.c_void_p), ("lse", ctypes.c_void_p),
+        ("q_stride_n", ctypes.c_longlong), ("q_stride_h", ctypes.c_longlong),
+        ("kv_stride_page", ctypes.c_longlong), ("kv_stride_tok", ctypes.c_longlong),
+        ("slots_stride_n", ctypes.c_longlong),
+        ("out_stride_n", ctypes.c_longlong), ("out_stride_h", ctypes.c_longlong),
+        ("num_heads", ctypes.c_int), ("num_splits", ctypes.c_int), ("split_len", ctypes.c_int),
+        ("page_size", ctypes.c_int), ("out_bf16", ctypes.c_int), ("scale_log2", ctypes.c_float),
+    ]
+
+
+def supports(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, kv_format: str, latent_dim: int,
+             rope_dim: int, variant: Variant = DEFAULT) -> bool:
+    """Whether the CUDA kernel can run this call: shapes, dtypes, 16-byte aligned rows, a capable GPU."""
+    return (
+        kv_format == "fp8" and latent_dim == LATENT_DIM and rope_dim == ROPE_DIM and q.is_cuda
+        and q.shape[1] <= MAX_HEADS and q.dtype == torch.bfloat16 and out.dtype in (torch.bfloat16, torch.float32)
+        and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0 and q.data_ptr() % 4 == 0
+        and kv.data_ptr() % 16 == 0 and kv.stride(0) % 16 == 0 and kv.stride(1) % 16 == 0
+        and _kernel(variant).available(q.device)
+    )
+
+
+def num_splits(num_rows: int, k: int, waves: float, device: torch.device,
+               variant: Variant = DEFAULT) -> tuple[int, int]:
+    """(splits, rows a split): about `waves` x the CTAs the GPU holds at once, in whole steps of rows."""
+    step = variant.rows_per_step
+    slots = variant.ctas_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    want = max(1, min(int(waves * slots) // max(num_rows, 1), triton.cdiv(k, step)))
+    split_len = triton.cdiv(triton.cdiv(max(k, 1), want), step) * step
+    return max(1, triton.cdiv(k, split_len)), split_len
+
+
+def launch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, out: torch.Tensor,
+           part: torch.Tensor | None, lse: torch.Tensor | None, splits: int, split_len: int,
+           scale_log2: float, variant: Variant = DEFAULT) -> None:
+    """One launch over grid (splits, rows): `out` directly with one split, else `part` / `lse` for the
+    combine kernel (the Triton kernel's layout)."""
+    n, heads, _ = q.shape
+    params = _Params(
+        q.data_ptr(), kv.data_ptr(), slots.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        part.data_ptr() if part is not None else 0, lse.data_ptr() if lse is not None else 0,
+        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), slots.stride(0), out.stride(0), out.stride(1),
+        heads, splits, split_len, kv.shape[1], int(out.dtype == torch.bfloat16), scale_log2,
+    )
+    _kernel(variant).launch(q.device, (splits, n, 1), variant.warps * 32, params)

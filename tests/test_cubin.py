@@ -1,0 +1,65 @@
+"""The CUDA C kernels build where nvcc is (this machine needs no GPU for that): the sparse MLA kernel compiles
+for sm_90 in every variant the launcher can ask for, without spilling registers (a spill would put the
+kernel's accumulators in local memory), its cubin is reused from the cache, and without a GPU the kernel
+says it is unavailable so the Triton kernel runs."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cubin, sparse_mla_cuda
+from kernels.sparse_mla_cuda import Variant
+
+NVCC = cubin.find_nvcc()
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="no nvcc on this machine")
+SOURCE = Path(sparse_mla_cuda.__file__).with_name("sparse_mla_fp8.cu")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant", [sparse_mla_cuda.DEFAULT, Variant(warps=4, stages=2, ctas_per_sm=2)],
+                         ids=["default", "w4c2"])
+def test_sparse_mla_kernel_builds_without_spills(variant: Variant, tmp_path: Path) -> None:
+    out = tmp_path / "k.cubin"
+    done = subprocess.run([NVCC, *cubin.nvcc_flags("sm_90", variant.defines), "-Xptxas", "-v", "-o", str(out),
+                           str(SOURCE)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    report = done.stderr
+    assert "sparse_mla_fp8_h8" in report
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    assert spills and not any(spills), report
+    assert out.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_nvcc
+def test_cubin_is_built_once_and_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HISPARSE_CACHE", str(tmp_path))
+    first = cubin.compile_cubin(SOURCE, "sm_90", NVCC, sparse_mla_cuda.DEFAULT.defines)
+    files = list((tmp_path / "cubin").iterdir())
+    assert len(files) == 1 and files[0].read_bytes() == first
+    files[0].write_bytes(b"cached")  # a second build would overwrite it
+    assert cubin.compile_cubin(SOURCE, "sm_90", NVCC, sparse_mla_cuda.DEFAULT.defines) == b"cached"
+    other = cubin.compile_cubin(SOURCE, "sm_90", NVCC, Variant(warps=4, ctas_per_sm=2).defines)  # other macros: another file
+    assert other[:4] == b"\x7fELF" and len(list((tmp_path / "cubin").iterdir())) == 2
+
+
+def test_a_build_failure_names_the_compiler_messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if NVCC is None:
+        pytest.skip("no nvcc on this machine")
+    monkeypatch.setenv("HISPARSE_CACHE", str(tmp_path))
+    bad = tmp_path / "bad.cu"
+    bad.write_text('extern "C" __global__ void k() { undefined_name(); }\n')
+    with pytest.raises(RuntimeError, match="undefined_name"):
+        cubin.compile_cubin(bad, "sm_90", NVCC)
+
+
+def test_without_a_gpu_the_kernel_is_unavailable() -> None:
+    assert not sparse_mla_cuda._kernel(sparse_mla_cuda.DEFAULT).available(torch.device("cpu"))
+    q = torch.zeros(2, 8, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 64, 656, dtype=torch.uint8)
+    out = torch.zeros(2, 8, 512, dtype=torch.bfloat16)
+    assert not sparse_mla_cuda.supports(q, kv, out, "fp8", 512, 64)
