@@ -10,8 +10,7 @@ runs under CUDA graphs too), achieved GB/s
 (bytes of selected MLA rows, or of indexer rows scored), the share of the HBM
 copy bandwidth measured in the same run (device-to-device copy, bytes read plus
 written), and the speed-up over the PyTorch twin (triton.testing.do_bench, L2 flushed) where
-the twin fits in memory; for sparse MLA also the share that PyTorch's gather of the same rows reaches (random
-rows without arithmetic: the reference next to the sequential copy); for the indexer also scoring plus the top-K kernel (`kernels.topk`), and at
+the twin fits in memory; for the indexer also scoring plus the top-K kernel (`kernels.topk`), and at
 B <= 8 the same with programmatic dependent launch, as the engine's decode graphs of so few rows launch it.
 A few tile configurations are tried at B=64 and the best is used for all B; the
 defaults (`SparseMLAConfig.for_problem`, chosen by the number of rows) are timed beside it.
@@ -120,15 +119,6 @@ def _pick(label: str, candidates: list, time_of) -> object:
     return found[0] if found is not None else None
 
 
-def row_gathers(view: torch.Tensor, slots: list[torch.Tensor]) -> list:
-    """PyTorch's gather of the same rows into a dense tensor, as 4-byte words: what reading random 656- or
-    1152-byte rows costs without any arithmetic (a reference next to the sequential copy's ceiling)."""
-    words = view.view(torch.int32)
-    page_size = view.shape[1]
-    where = [(s.long() // page_size, s.long() % page_size) for s in slots]
-    return [lambda p=p, t=t: words[p, t] for p, t in where]
-
-
 def run_mla(hbm: float, rows_out: list) -> None:
     for kv_format in ("fp8", "bf16"):
         run_mla_format(kv_format, hbm, rows_out)
@@ -142,7 +132,6 @@ def run_mla_format(kv_format: str, hbm: float, rows_out: list) -> None:
     num_slots = view.shape[0] * view.shape[1]
     rb = layout.mla_row_bytes
     kw = dict(kv_format=kv_format, latent_dim=DL, rope_dim=DR, scale=0.0417)
-    gather_ms: dict[int, float] = {}
     for heads in (8, 64):
         best = None
         for b in (64,) + tuple(x for x in BATCHES if x != 64):
@@ -165,14 +154,11 @@ def run_mla_format(kv_format: str, hbm: float, rows_out: list) -> None:
                 best = _pick(label, [best] + others, lambda c: bench_graph(calls(c)))
             ms = bench_graph(calls(best))
             default_ms = bench_graph(calls(None))
-            if b not in gather_ms:
-                gather_ms[b] = bench_graph(row_gathers(view, slots))
             twin_ms = bench(lambda: sparse_mla_ref(q, view, slots[0], lens, **kw), rep=30)
             gbs = nbytes / ms / 1e6
             rows_out.append(dict(kernel="sparse_mla", fmt=kv_format, heads=heads, B=b, ctx=f"K={TOPK}",
                                  MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin_ms / ms,
                                  cfg=_cfg_name(best), default_us=default_ms * 1e3,
-                                 gather_hbm=nbytes / gather_ms[b] / 1e6 / hbm,
                                  default_hbm=nbytes / default_ms / 1e6 / hbm,
                                  default_cfg=_cfg_name(SparseMLAConfig.for_problem(heads, kv_format, b))))
             log(fmt_row(_cells(rows_out[-1])))
@@ -237,19 +223,18 @@ def run_indexer_format(kv_format: str, hbm: float, rows_out: list) -> bool:
 
 
 HEADER = ["kernel", "rows", "heads", "B", "K / ctx", "MB read", "time us", "GB/s", "of HBM copy",
-          "row gather (of HBM copy)", "x twin", "tiles", "+topk us", "+topk us, PDL", "defaults us (of HBM copy)"]
+          "x twin", "tiles", "+topk us", "+topk us, PDL", "defaults us (of HBM copy)"]
 
 
 def _cells(r: dict) -> list:
     twin = r["twin"] if isinstance(r["twin"], str) else f"{r['twin']:.1f}x"
     topk = f"{r['topk_us']:.0f}" if "topk_us" in r else "-"
     topk_pdl = f"{r['topk_pdl_us']:.0f}" if r.get("topk_pdl_us") is not None else "-"
-    gather = f"{100 * r['gather_hbm']:.0f}%" if "gather_hbm" in r else "-"
     default = "-"
     if "default_us" in r:
         default = f"{r['default_us']:.1f} ({100 * r['default_hbm']:.0f}%, {r['default_cfg']})"
     return [r["kernel"], r["fmt"], r["heads"], r["B"], r["ctx"], f"{r['MB']:.1f}", f"{r['us']:.1f}",
-            f"{r['gbs']:.0f}", f"{100 * r['hbm']:.0f}%", gather, twin, r["cfg"], topk, topk_pdl, default]
+            f"{r['gbs']:.0f}", f"{100 * r['hbm']:.0f}%", twin, r["cfg"], topk, topk_pdl, default]
 
 
 def main() -> int:
