@@ -83,17 +83,20 @@ def compile_cubin(source: Path, arch: str, nvcc: str, defines: tuple[tuple[str, 
     cached = _cache_dir() / f"{source.stem}-{arch}-{key}.cubin"
     if cached.is_file():
         return cached.read_bytes()
-    cached.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "kernel.cubin"
         done = subprocess.run([nvcc, *flags, "-o", str(out), str(source)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"nvcc failed on {source.name}:\n{done.stderr}")
         data = out.read_bytes()
-    partial = cached.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_bytes(data)
-    partial.replace(cached)  # atomic: another process may be building the same file
     log.info("built %s for %s (%d bytes)", source.name, arch, len(data))
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_bytes(data)
+        partial.replace(cached)  # atomic: another process may be building the same file
+    except OSError as exc:  # a read-only home: build again next time
+        log.warning("cubin cache %s not writable (%s)", cached.parent, exc)
     return data
 
 

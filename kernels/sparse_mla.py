@@ -19,7 +19,10 @@ never on values, so the launch can be captured in a CUDA graph. At most 65535
 query rows per launch (grid limit).
 
 Contents: `sparse_mla_ref` (PyTorch twin), the Triton kernels, and the
-launcher `sparse_mla` (same signature as the twin) that checks its inputs.
+launcher `sparse_mla` (same signature as the twin) that checks its inputs and,
+where the configuration asks (`SparseMLAConfig.cuda`, the default for FP8 rows
+at up to 8 heads from 8 query rows) and the GPU allows, runs the CUDA kernel of
+`kernels/sparse_mla_fp8.cu` instead (same splits and combine kernel).
 """
 
 from __future__ import annotations

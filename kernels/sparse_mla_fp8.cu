@@ -1,7 +1,8 @@
 // Sparse MLA decode over FP8 rows at up to 8 heads (one rank of GLM-5.3 at TP 8), written where shared memory
 // and asynchronous copies are explicit: the Triton kernel of kernels/sparse_mla.py issues about 140 warp
 // instructions a 656-byte row and cannot pipeline a tile that feeds two products (bench/NOTES.md, ninth and
-// eleventh sessions), so it reads 18-20 % of the HBM bandwidth; this one spends about 35.
+// eleventh sessions), so it reads 18-20 % of the HBM bandwidth; this one spends about 45 (44 % at B = 64,
+// 59-61 % at B = 128 on an H200; bench/RESULTS.md, fifteenth session).
 //
 // Work: one CTA per (split of K, query row), WARPS warps, each warp an independent flash-decoding stream over
 // its own 16-row tiles (tile i of the split goes to warp i % WARPS). A warp gathers a tile's rows with one
@@ -23,10 +24,13 @@
 // At the end the warps of a CTA merge through shared memory, and the CTA writes the output (one split) or
 // its normalised partial and log-sum-exp (base 2) for kernels/sparse_mla.py's combine kernel.
 //
-// Rows past a query's length are gathered from the tile's first row and masked to -inf (so garbage never
-// reaches a product as NaN); a query of length 0 gets zeros. Layout of a row (kernels/fp8_rows.py): 512 e4m3
-// values, four float32 block scales, 64 bf16 rope values; every row starts 16-byte aligned (the launcher
-// checks the pool's base and strides).
+// A warp reads the slots of its tile after next while it computes (no gather waits on its slot loads), and
+// the query's loads and fp16 conversion overlap the first gathers.
+//
+// Rows past a query's length (or its split's end) repeat the last row in range in the gather and are masked
+// to -inf (so garbage never reaches a product as NaN); a query of length 0 gets zeros. Layout of a row
+// (kernels/fp8_rows.py): 512 e4m3 values, four float32 block scales, 64 bf16 rope values; every row starts
+// 16-byte aligned (the launcher checks the pool's base and strides).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

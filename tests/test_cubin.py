@@ -43,8 +43,17 @@ def test_cubin_is_built_once_and_cached(tmp_path: Path, monkeypatch: pytest.Monk
     assert len(files) == 1 and files[0].read_bytes() == first
     files[0].write_bytes(b"cached")  # a second build would overwrite it
     assert cubin.compile_cubin(SOURCE, "sm_90", NVCC, sparse_mla_cuda.DEFAULT.defines) == b"cached"
-    other = cubin.compile_cubin(SOURCE, "sm_90", NVCC, Variant(warps=4, ctas_per_sm=2).defines)  # other macros: another file
+    # other macros, another file
+    other = cubin.compile_cubin(SOURCE, "sm_90", NVCC, Variant(warps=4, ctas_per_sm=2).defines)
     assert other[:4] == b"\x7fELF" and len(list((tmp_path / "cubin").iterdir())) == 2
+
+
+@needs_nvcc
+def test_an_unwritable_cache_still_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # the cache directory would have to be created under a file
+    monkeypatch.setenv("HISPARSE_CACHE", str(blocker))
+    assert cubin.compile_cubin(SOURCE, "sm_90", NVCC, sparse_mla_cuda.DEFAULT.defines)[:4] == b"\x7fELF"
 
 
 def test_a_build_failure_names_the_compiler_messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
