@@ -398,12 +398,7 @@ def _sparse_mla_cuda(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, len
     """The CUDA kernel's launch, its splits merged by the combine kernel."""
     n, h, _ = q.shape
     k = slots.shape[1]
-    if cfg.num_splits is not None:
-        step = sparse_mla_cuda.DEFAULT.rows_per_step
-        split_len = triton.cdiv(triton.cdiv(max(k, 1), cfg.num_splits), step) * step
-        splits = max(1, triton.cdiv(k, split_len))
-    else:
-        splits, split_len = sparse_mla_cuda.num_splits(n, k, cfg.cuda_waves, q.device)
+    splits, split_len = sparse_mla_cuda.num_splits(n, k, cfg.cuda_waves, q.device, splits=cfg.num_splits)
     part = lse = None
     if splits > 1:
         part = torch.empty((n, splits, h, out.shape[2]), dtype=torch.float32, device=q.device)

@@ -26,7 +26,8 @@ class Variant:
     """The .cu's compile-time shape: warps a CTA, tiles in flight a warp, CTAs an SM (the launch bound).
     Measured on an H200 (bench/NOTES.md, fifteenth session): eight warps in one CTA an SM beat four in two
     (45.7 against 49.5 us at B = 64), and both beat four or more stages with fewer warps; the shared
-    memory (two 10.5 KB stages a warp) allows no more."""
+    memory (two 10.5 KB stages a warp) allows no more, and a ring of 16-20 stages shared by the warps was
+    no faster."""
 
     warps: int = 8
     stages: int = 2
@@ -83,13 +84,15 @@ def supports(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, kv_format: st
     )
 
 
-def num_splits(num_rows: int, k: int, waves: float, device: torch.device,
-               variant: Variant = DEFAULT) -> tuple[int, int]:
-    """(splits, rows a split): about `waves` x the CTAs the GPU holds at once, in whole steps of rows."""
+def num_splits(num_rows: int, k: int, waves: float, device: torch.device, variant: Variant = DEFAULT,
+               splits: int | None = None) -> tuple[int, int]:
+    """(splits, rows a split) in whole steps of rows: `splits` if given, else about `waves` x the CTAs the
+    GPU holds at once."""
     step = variant.rows_per_step
-    slots = variant.ctas_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    want = max(1, min(int(waves * slots) // max(num_rows, 1), triton.cdiv(k, step)))
-    split_len = triton.cdiv(triton.cdiv(max(k, 1), want), step) * step
+    if splits is None:
+        slots = variant.ctas_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+        splits = max(1, min(int(waves * slots) // max(num_rows, 1), triton.cdiv(k, step)))
+    split_len = triton.cdiv(triton.cdiv(max(k, 1), splits), step) * step
     return max(1, triton.cdiv(k, split_len)), split_len
 
 
@@ -97,7 +100,7 @@ def launch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lens: torch.T
            part: torch.Tensor | None, lse: torch.Tensor | None, splits: int, split_len: int,
            scale_log2: float, variant: Variant = DEFAULT) -> None:
     """One launch over grid (splits, rows): `out` directly with one split, else `part` / `lse` for the
-    combine kernel (the Triton kernel's layout)."""
+    combine kernel (the Triton kernel's layout). Only where `supports` holds."""
     n, heads, _ = q.shape
     params = _Params(
         q.data_ptr(), kv.data_ptr(), slots.data_ptr(), lens.data_ptr(), out.data_ptr(),
