@@ -44,6 +44,7 @@ from engine.scheduler import Scheduler  # noqa: E402
 from residency.hot_leases import HotLeases  # noqa: E402
 from residency.manager import ResidencyManager  # noqa: E402
 from residency.mirroring import Mirroring  # noqa: E402
+from residency.swapping import Swapping  # noqa: E402
 
 TIMED: list[tuple[type, tuple[str, ...]]] = [
     (Scheduler, ("schedule", "after_step")),
@@ -54,7 +55,8 @@ TIMED: list[tuple[type, tuple[str, ...]]] = [
     (triton_ops.TritonAttentionOps, ("indexer_topk", "sparse_mla")),
     (TorchAttentionOps, ("indexer_topk", "sparse_mla")),
     (RankResidency, ("resolve_rows", "resolve_decode", "load", "mirror", "mirror_rows", "counts_into")),
-    (ResidencyManager, ("demote", "promote", "swap_in", "swap_out")),
+    (ResidencyManager, ("demote", "promote")),
+    (Swapping, ("swap_in", "swap_out")),
     (Mirroring, ("mirror_step", "poll")),
     (HotLeases, ("size_for", "lease", "release")),
 ]
