@@ -54,6 +54,10 @@ def _check(result: int, call: str) -> None:
         raise RuntimeError(f"{call} failed: {(name.value or b'?').decode()} ({result})")
 
 
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def find_nvcc() -> str | None:
     """nvcc under $CUDA_HOME, else on PATH, else None."""
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
@@ -118,7 +122,7 @@ class CudaKernel:
         """Whether the kernel runs on `device` (built and loaded on first ask)."""
         if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
             return False
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _index(device)
         if index not in self._functions:
             with self._lock:
                 if index not in self._functions:
@@ -165,7 +169,7 @@ class CudaKernel:
     def launch(self, device: torch.device, grid: tuple[int, int, int], threads: int,
                params: ctypes.Structure) -> None:
         """Launch on `device`'s current PyTorch stream (call `available` first)."""
-        index = device.index if device.index is not None else torch.cuda.current_device()
+        index = _index(device)
         function = self._functions[index]
         self._make_current(index)
         stream = torch.cuda.current_stream(device).cuda_stream

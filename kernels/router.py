@@ -21,9 +21,10 @@ cuBLAS, as IEEE dots in another order) on tensor cores, a 16 x 16 tile a program
 tokens and 9.9 at 32 on an H200 (7.9 and 13.0 with four warps), where cuBLAS takes 6-19 us and IEEE dots in
 Triton 17-32 us. Float32 products for a block of tokens a program (its weight tile loaded once) measured slower
 than the dots from two tokens on: the time is the chain of load, partial store and last range's sum, not the
-bytes. From `ROUTER_PARTIAL_TOKENS` up cuBLAS is faster and computes the logits whole. Up to `ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32 products summed
-in registers, one token per program (no mostly empty 16-row dot tiles); a caller may raise that bound
-(`fma_tokens`): the indexer's head weights, [32, 6144] float32, take it up to 64 rows (engine/attention.py).
+bytes. From `ROUTER_PARTIAL_TOKENS` up cuBLAS is faster and computes the logits whole. Up to
+`ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32 products summed in registers, one token per
+program (no mostly empty 16-row dot tiles); a caller may raise that bound (`fma_tokens`): the indexer's head
+weights, [32, 6144] float32, take it up to 64 rows (engine/attention.py).
 """
 
 from __future__ import annotations

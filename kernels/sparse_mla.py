@@ -365,10 +365,8 @@ def sparse_mla(
     splits = _num_splits(cfg, n * head_blocks, k, block_k, q.device)
     split_len = triton.cdiv(triton.cdiv(max(k, 1), splits), block_k) * block_k
     splits = max(1, triton.cdiv(k, split_len))
-    if splits > 1:
-        part = torch.empty((n, splits, h, latent_dim), dtype=torch.float32, device=q.device)
-        lse = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
-    else:
+    part, lse = _partials(n, splits, h, latent_dim, q.device)
+    if part is None:
         part = lse = out  # unused
     _sparse_mla_kernel[(head_blocks, splits, n)](
         q, kv, slots, lens, out, part, lse,
@@ -385,6 +383,16 @@ def sparse_mla(
     return out
 
 
+def _partials(n: int, splits: int, heads: int, latent_dim: int, device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """Each split's normalised output [N, splits, H, Dl] and log-sum-exp [N, splits, H] (base 2), float32, for
+    the combine kernel; none with one split (the attention writes the output itself)."""
+    if splits == 1:
+        return None, None
+    return (torch.empty((n, splits, heads, latent_dim), dtype=torch.float32, device=device),
+            torch.empty((n, splits, heads), dtype=torch.float32, device=device))
+
+
 def _combine(part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
     n, splits, h, latent_dim = part.shape
     _combine_kernel[(h, n)](
@@ -399,10 +407,7 @@ def _sparse_mla_cuda(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, len
     n, h, _ = q.shape
     k = slots.shape[1]
     splits, split_len = sparse_mla_cuda.num_splits(n, k, cfg.cuda_waves, q.device, splits=cfg.num_splits)
-    part = lse = None
-    if splits > 1:
-        part = torch.empty((n, splits, h, out.shape[2]), dtype=torch.float32, device=q.device)
-        lse = torch.empty((n, splits, h), dtype=torch.float32, device=q.device)
+    part, lse = _partials(n, splits, h, out.shape[2], q.device)
     sparse_mla_cuda.launch(q, kv, slots, lens, out, part, lse, splits, split_len, scale * _LOG2E)
     if splits > 1:
         _combine(part, lse, out)

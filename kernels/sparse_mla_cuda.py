@@ -48,13 +48,12 @@ class Variant:
 
 
 DEFAULT = Variant()
-_kernels: dict[Variant, CudaKernel] = {}
+_KERNEL = CudaKernel(_SOURCE, "sparse_mla_fp8_h8", DEFAULT.shared_bytes, DEFAULT.defines)
 
 
-def _kernel(variant: Variant) -> CudaKernel:
-    if variant not in _kernels:
-        _kernels[variant] = CudaKernel(_SOURCE, "sparse_mla_fp8_h8", variant.shared_bytes, variant.defines)
-    return _kernels[variant]
+def available(device: torch.device) -> bool:
+    """Whether the kernel is built and loaded for `device` (on first ask; never on a CPU)."""
+    return _KERNEL.available(device)
 
 
 class _Params(ctypes.Structure):
@@ -73,24 +72,24 @@ class _Params(ctypes.Structure):
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, kv_format: str, latent_dim: int,
-             rope_dim: int, variant: Variant = DEFAULT) -> bool:
+             rope_dim: int) -> bool:
     """Whether the CUDA kernel can run this call: shapes, dtypes, 16-byte aligned rows, a capable GPU."""
     return (
         kv_format == "fp8" and latent_dim == LATENT_DIM and rope_dim == ROPE_DIM and q.is_cuda
         and q.shape[1] <= MAX_HEADS and q.dtype == torch.bfloat16 and out.dtype in (torch.bfloat16, torch.float32)
         and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0 and q.data_ptr() % 4 == 0
         and kv.data_ptr() % 16 == 0 and kv.stride(0) % 16 == 0 and kv.stride(1) % 16 == 0
-        and _kernel(variant).available(q.device)
+        and available(q.device)
     )
 
 
-def num_splits(num_rows: int, k: int, waves: float, device: torch.device, variant: Variant = DEFAULT,
+def num_splits(num_rows: int, k: int, waves: float, device: torch.device,
                splits: int | None = None) -> tuple[int, int]:
     """(splits, rows a split) in whole steps of rows: `splits` if given, else about `waves` x the CTAs the
     GPU holds at once."""
-    step = variant.rows_per_step
+    step = DEFAULT.rows_per_step
     if splits is None:
-        slots = variant.ctas_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+        slots = DEFAULT.ctas_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
         splits = max(1, min(int(waves * slots) // max(num_rows, 1), triton.cdiv(k, step)))
     split_len = triton.cdiv(triton.cdiv(max(k, 1), splits), step) * step
     return max(1, triton.cdiv(k, split_len)), split_len
@@ -98,7 +97,7 @@ def num_splits(num_rows: int, k: int, waves: float, device: torch.device, varian
 
 def launch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, out: torch.Tensor,
            part: torch.Tensor | None, lse: torch.Tensor | None, splits: int, split_len: int,
-           scale_log2: float, variant: Variant = DEFAULT) -> None:
+           scale_log2: float) -> None:
     """One launch over grid (splits, rows): `out` directly with one split, else `part` / `lse` for the
     combine kernel (the Triton kernel's layout). Only where `supports` holds."""
     n, heads, _ = q.shape
@@ -108,4 +107,4 @@ def launch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lens: torch.T
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), slots.stride(0), out.stride(0), out.stride(1),
         heads, splits, split_len, kv.shape[1], int(out.dtype == torch.bfloat16), scale_log2,
     )
-    _kernel(variant).launch(q.device, (splits, n, 1), variant.warps * 32, params)
+    _KERNEL.launch(q.device, (splits, n, 1), DEFAULT.warps * 32, params)

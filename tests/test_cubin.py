@@ -56,9 +56,8 @@ def test_an_unwritable_cache_still_builds(tmp_path: Path, monkeypatch: pytest.Mo
     assert cubin.compile_cubin(SOURCE, "sm_90", NVCC, sparse_mla_cuda.DEFAULT.defines)[:4] == b"\x7fELF"
 
 
+@needs_nvcc
 def test_a_build_failure_names_the_compiler_messages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if NVCC is None:
-        pytest.skip("no nvcc on this machine")
     monkeypatch.setenv("HISPARSE_CACHE", str(tmp_path))
     bad = tmp_path / "bad.cu"
     bad.write_text('extern "C" __global__ void k() { undefined_name(); }\n')
@@ -67,7 +66,7 @@ def test_a_build_failure_names_the_compiler_messages(tmp_path: Path, monkeypatch
 
 
 def test_without_a_gpu_the_kernel_is_unavailable() -> None:
-    assert not sparse_mla_cuda._kernel(sparse_mla_cuda.DEFAULT).available(torch.device("cpu"))
+    assert not sparse_mla_cuda.available(torch.device("cpu"))
     q = torch.zeros(2, 8, 576, dtype=torch.bfloat16)
     kv = torch.zeros(4, 64, 656, dtype=torch.uint8)
     out = torch.zeros(2, 8, 512, dtype=torch.bfloat16)

@@ -29,7 +29,7 @@ def test_sparse_mla_matches_twin_at_glm_shapes(kv_format: str, heads: int, confi
 def _cuda_kernel_builds() -> bool:
     from kernels import sparse_mla_cuda
 
-    return sparse_mla_cuda._kernel(sparse_mla_cuda.DEFAULT).available(torch.device("cuda"))
+    return sparse_mla_cuda.available(torch.device("cuda"))
 
 
 @pytest.mark.parametrize("heads", [8, 5])
