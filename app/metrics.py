@@ -34,7 +34,6 @@ _TOTALS = {
     "rows_copied_h2d": ("hisparse_miss_rows", "Row runs copied host to device."),
     "bytes_h2d": ("hisparse_h2d_bytes", "Bytes copied host to device for misses."),
     "pages_mirrored": ("hisparse_pages_mirrored", "Pages mirrored to the host pool."),
-    "rows_mirrored": ("hisparse_rows_mirrored", "Token rows (every layer) mirrored after the forward that wrote them."),
     "pages_demoted": ("hisparse_pages_demoted", "GPU pages freed by demotion (host copy kept)."),
     "pages_promoted": ("hisparse_pages_promoted", "Pages moved back to the GPU."),
     "mirror_skipped_host_full": ("hisparse_mirror_skipped_host_full", "Mirrors skipped: host pool full."),

@@ -54,7 +54,7 @@ TIMED: list[tuple[type, tuple[str, ...]]] = [
     (Indexer, ("forward",)),
     (triton_ops.TritonAttentionOps, ("indexer_topk", "sparse_mla")),
     (TorchAttentionOps, ("indexer_topk", "sparse_mla")),
-    (RankResidency, ("resolve_rows", "resolve_decode", "load", "mirror", "mirror_rows", "counts_into")),
+    (RankResidency, ("resolve_rows", "resolve_decode", "load", "mirror", "counts_into")),
     (ResidencyManager, ("demote", "promote")),
     (Swapping, ("swap_in", "swap_out")),
     (Mirroring, ("mirror_step", "poll")),

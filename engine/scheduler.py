@@ -58,7 +58,7 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    mirror_rows: bool = False  # the plan's: copy the step's new rows to host after the forward
+    mirror: bool = False  # the plan's: copy the pages the step completes to host after the forward
 
     @property
     def num_tokens(self) -> int:
@@ -127,7 +127,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = self.policy.plan(self)  # the step's one residency decision point
-        out = SchedulerOutput(mirror_rows=plan.mirror_rows)
+        out = SchedulerOutput(mirror=plan.mirror)
         self._start(plan)
         budget = self.config.max_num_batched_tokens
         pressure_before = self.num_preemptions + self.num_swaps
@@ -308,5 +308,5 @@ class Scheduler:
             self.kv.cache_full_pages(req)
             end = req.num_computed_tokens - later_rows.get(req.request_id, 0)
             kept.append((req, end - (s.num_new_tokens - dropped), end))
-        if out.mirror_rows:
+        if out.mirror:
             self.kv.residency.mirroring.mirror_step(kept)

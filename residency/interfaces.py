@@ -52,10 +52,6 @@ class PoolExecutor(Protocol):
         """Whole GPU pages -> host pages, asynchronously."""
         ...
 
-    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> CopyTicket:
-        """One token's rows of every layer (GPU page, token) -> (host page, token), per entry."""
-        ...
-
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         """Whole host pages -> GPU pages, on every rank before its next step."""
         ...

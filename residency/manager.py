@@ -8,9 +8,9 @@ A request's page table maps each logical MLA page to a GPU page, a host page,
 or both (`mla_pages[i]` / `host_pages[i]`, None where absent). Derived state:
 full (every page on GPU), mixed (some pages host-only, hot buffer leased),
 none (every completed page host-only). Indexer pages of running requests stay
-on the GPU. Under `hybrid` every forward's new rows are mirrored to the host
-copy of their page right after it, so completed pages are always demotable
-without a copy. Every transition keeps both pools' reference counts exact.
+on the GPU. Under `hybrid` every page is mirrored to the host at the step
+that completes it, so completed pages are demotable without a copy once
+that copy lands. Every transition keeps both pools' reference counts exact.
 
 Decisions are made here, once per replica; the bytes move through a
 `PoolExecutor`: the engine's executor, which has every tensor-parallel rank

@@ -1,16 +1,17 @@
-"""Proactive mirroring: every forward's new rows go to the host copy of their page right after it.
+"""Proactive mirroring: every page a forward completes is copied to the host pool right after it.
 
-Under `hybrid` (policies whose traits mirror ahead) a page's host copy is built while the page is written:
-the page's first rows start a whole-page copy into a fresh host page, later rows are copied row by row,
-and a page that completes becomes demotable, and findable in the host prefix cache by its hash, as soon
-as its copies are done (`poll`). Pages that complete without a copy (reused from the GPU prefix cache,
-indexer pages, pages the host pool was too full for) are caught up whole. Copies are issued through the
-`PoolExecutor` (one rank writes the shared host pool) on a side stream; a ticket says when they are done,
-and a later ticket covers every earlier copy.
+Under `hybrid` (policies whose traits mirror ahead) a completed page gets its host copy at the step that
+completes it: one whole-page copy into a fresh host page, issued with the step's other copies, and the
+page becomes demotable, and findable in the host prefix cache by its hash, as soon as the copy is done
+(`poll`). A page still being written has no host copy (copying its rows as they come costs host work and
+a launch every decode step); a request that stops running copies its tail then. Pages that complete
+without a copy (reused from the GPU prefix cache, indexer pages, pages the host pool was too full for)
+are caught up whole. Copies are issued through the `PoolExecutor` (one rank writes the shared host pool)
+on a side stream; a ticket says when they are done, and a later ticket covers every earlier copy.
 
-Two steps of a copy's life: `mirror_step` prepares and issues the copies of what a forward wrote;
-`poll` completes the finished ones. With asynchronous scheduling a page can complete while its last
-token is still pending (its hash unknown): it is published at the next step, with the last copy's ticket.
+Two steps of a copy's life: `mirror_step` issues the copies of what a forward completed; `poll` completes
+the finished ones. With asynchronous scheduling a page can complete while its last token is still pending
+(its hash unknown): it is copied then and published at the next step, with the last copy's ticket.
 """
 
 from __future__ import annotations
@@ -54,66 +55,62 @@ class Mirroring:
         self.indexer_tokens_per_page = indexer_tokens_per_page
         self._pending: list[_PendingMirror] = []
         self._last_ticket: CopyTicket | None = None  # of the last mirror issued
-        # Host copies of pages still being written: (request id, page index) -> host page.
-        self._partial: dict[tuple[str, int], int] = {}
+        # Completed pages copied before their hash was known (their last token was still pending):
+        # (request id, page index) -> host page, published at the request's next step.
+        self._unhashed: dict[tuple[str, int], int] = {}
         # Per request, (MLA pages, indexer pages) at its start that all have host copies: the
         # catch-up scan starts there, so a step costs the new pages, not the whole context.
         self._mirrored_prefix: dict[str, tuple[int, int]] = {}
 
     def mirror_step(self, steps: list[tuple[PagedRequest, int, int]]) -> None:
-        """Mirrors what a forward wrote: for each (request, first, end) the rows of tokens
-        [first, end) of every layer go to the host copy of their page, one launch for all; a page
-        whose host copy starts now is copied whole once. A page that completes with its host copy
-        becomes demotable (and findable by its hash) as soon as the copy is done, with nothing
-        left to copy on the critical path."""
+        """Mirrors the MLA pages a forward completed: for each (request, first, end) the forward wrote
+        tokens [first, end), and every page those rows complete is copied whole to a fresh host page, one
+        launch for all. It becomes demotable (and findable by its hash) as soon as the copy is done, a
+        step or so later, with nothing left to copy when pressure comes. A step that completes no page
+        costs a few comparisons a request: rows are not copied as they are written (that was host work
+        and a mirror launch every decode step); a request that stops running copies its tail then
+        (`Swapping.swap_out`)."""
         self.poll()
+        in_flight = {(id(p.request), e[0], e[1]) for p in self._pending for e in p.entries}
         whole: list[tuple[int, int]] = []
-        rows: list[tuple[int, int, int]] = []
         for req, first, end in steps:
             align(req)
-            completing: list[tuple[PageUse, int, int, bytes]] = []
             start = first // PAGE_SIZE
-            if start and (req.request_id, start - 1) in self._partial:
+            if start and (req.request_id, start - 1) in self._unhashed:
                 start -= 1  # completed before its hash was known (its last token was pending): publish now
-            for i in range(start, -(-end // PAGE_SIZE)):
+            completing: list[tuple[PageUse, int, int, bytes]] = []
+            for i in range(start, end // PAGE_SIZE):
                 gpu_page = req.mla_pages[i]
-                if gpu_page is None or req.host_pages[i] is not None:
+                if gpu_page is None or req.host_pages[i] is not None or (id(req), PageUse.MLA, i) in in_flight:
                     continue
-                host_page = self._partial.get((req.request_id, i))
+                host_page = self._unhashed.pop((req.request_id, i), None)
                 if host_page is None:
                     if self.host.cache.num_available == 0:
                         self.stats.mirror_skipped_host_full += 1
                         continue
                     [host_page] = self.host.cache.allocate(1, PageUse.MLA)
-                    self._partial[(req.request_id, i)] = host_page
                     whole.append((gpu_page, host_page))
-                else:
-                    rows += [(gpu_page, host_page, t % PAGE_SIZE)
-                             for t in range(max(first, i * PAGE_SIZE), min(end, (i + 1) * PAGE_SIZE))]
-                if i < end // PAGE_SIZE and i < len(req.page_hashes):  # complete now: publish once copied
-                    del self._partial[(req.request_id, i)]
+                if i < len(req.page_hashes):
                     completing.append((PageUse.MLA, i, host_page, req.page_hashes[i]))
+                    in_flight.add((id(req), PageUse.MLA, i))
+                else:
+                    self._unhashed[(req.request_id, i)] = host_page
             if completing:
                 self._pending.append(_PendingMirror(req, completing, None))
-        self._catch_up([req for req, _, _ in steps], whole)
-        ticket = None  # of the last copy issued: the others are done no later (rows are copied in order)
-        if rows:
-            ticket = self.executor.mirror_rows(*zip(*rows))
-            self.stats.rows_mirrored += len(rows)
+        self._catch_up([req for req, _, _ in steps], whole, in_flight)
         if whole:
-            ticket = self.executor.mirror_pages([w[0] for w in whole], [w[1] for w in whole])
+            self._last_ticket = self.executor.mirror_pages([w[0] for w in whole], [w[1] for w in whole])
             self.stats.pages_mirrored += len(whole)
-        self._last_ticket = ticket or self._last_ticket
         for pending in self._pending:
-            if pending.ticket is None:  # a page whose rows were all copied by earlier steps: the last copy
+            if pending.ticket is None:  # pages copied by earlier steps (their hashes came now): the last copy
                 pending.ticket = self._last_ticket
         self.poll()
 
-    def _catch_up(self, requests: list[PagedRequest], whole: list[tuple[int, int]]) -> None:
+    def _catch_up(self, requests: list[PagedRequest], whole: list[tuple[int, int]],
+                  in_flight: set[tuple[int, PageUse, int]]) -> None:
         """Completed pages with no host copy yet (reused from the GPU prefix cache, completed indexer
         pages, pages the host pool was too full for) join `whole`, or share a host page that already
         holds the same prefix."""
-        in_flight = {(id(p.request), e[0], e[1]) for p in self._pending for e in p.entries}
         for req in requests:
             entries: list[tuple[PageUse, int, int, bytes]] = []
             for use, index, gpu_page, key in self._mirror_candidates(req):
@@ -143,11 +140,11 @@ class Mirroring:
             idx_from += 1
         self._mirrored_prefix[req.request_id] = (mla_from, idx_from)
         for i in range(mla_from, completed):
-            # A page with a host copy still being written is finished by the rows that complete it
-            # (`mirror_step`), which may come a step after its hash is known: a continued speculative step
-            # counts the row of its last known token as computed before it is read.
+            # Rows counted as computed are written by steps already launched (a continued speculative step
+            # counts the row of its last known token before it is read), and a copy issued now runs after
+            # them: a page complete by the count is copied whole here even before `mirror_step` sees it.
             if (req.host_pages[i] is None and req.mla_pages[i] is not None
-                    and (req.request_id, i) not in self._partial):
+                    and (req.request_id, i) not in self._unhashed):
                 yield PageUse.MLA, i, req.mla_pages[i], req.page_hashes[i]
         per_idx = self.indexer_tokens_per_page // PAGE_SIZE
         for j in range(idx_from, completed_idx):
@@ -160,10 +157,11 @@ class Mirroring:
         return sum(len(p.entries) for p in self._pending)
 
     def host_copy_of(self, req: PagedRequest, index: int) -> int | None:
-        """The host page mirroring MLA page `index` of `req`, complete or still being written."""
+        """The host page holding the copy of MLA page `index` of `req` once its mirror is polled
+        (published, or copied with its hash still unknown); None if it has none."""
         if index < len(req.host_pages) and req.host_pages[index] is not None:
             return req.host_pages[index]
-        return self._partial.get((req.request_id, index))
+        return self._unhashed.get((req.request_id, index))
 
     def poll(self, wait: bool = False) -> None:
         """Completes finished mirrors: their host copies become usable and findable."""
@@ -179,12 +177,12 @@ class Mirroring:
                 self.host.cache.insert(host_page, use, key)
         self._pending = still
 
-    def take_partial(self, req: PagedRequest) -> None:
-        """The host copies of `req`'s pages still being written become its host pages (current up to the
-        last step: the request stops running)."""
+    def take_copies(self, req: PagedRequest) -> None:
+        """Every copy mirroring made of `req`'s pages becomes its host page, published or not (the
+        request stops running; its pages with no copy, the tail above all, are the caller's to copy)."""
         self.poll(wait=True)
-        for key in [k for k in self._partial if k[0] == req.request_id]:
-            req.host_pages[key[1]] = self._partial.pop(key)
+        for key in [k for k in self._unhashed if k[0] == req.request_id]:
+            req.host_pages[key[1]] = self._unhashed.pop(key)
 
     def restart(self, req: PagedRequest) -> None:
         """`req`'s host copies change wholesale (swap-in): the catch-up scan starts again."""
@@ -192,12 +190,12 @@ class Mirroring:
 
     def forget(self, req: PagedRequest) -> None:
         """Drops what mirroring holds for a released request, once its copies in flight are done (a host
-        page freed while rows are still being copied into it could be handed out and overwritten)."""
+        page freed while a copy into it is in flight could be handed out and overwritten)."""
         if any(p.request is req for p in self._pending):
             self.poll(wait=True)
-        partial = [k for k in self._partial if k[0] == req.request_id]
-        if partial and self._last_ticket is not None and not self._last_ticket.done():
+        unhashed = [k for k in self._unhashed if k[0] == req.request_id]
+        if unhashed and self._last_ticket is not None and not self._last_ticket.done():
             self._last_ticket.wait()
-        for key in partial:
-            self.host.cache.release(self._partial.pop(key))
+        for key in unhashed:
+            self.host.cache.release(self._unhashed.pop(key))
         self._mirrored_prefix.pop(req.request_id, None)

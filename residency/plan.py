@@ -4,7 +4,7 @@ the batch.
 The policy (residency/policies.py) looks at the running and waiting requests at the start of a step and
 returns a `ResidencyPlan`: the requests to bring back to the GPU now, the ordered room-making actions for
 running requests whose next chunk lacks pages, the demotions offered to let a waiting request start, and
-whether this step's new rows are mirrored to host after the forward. The scheduler then fills the batch
+whether the pages this step completes are mirrored to host after the forward. The scheduler then fills the batch
 without asking again: it carries out the plan's actions only as far as pages are actually short (an
 action frees what the pools say it frees, shared prefix pages included), in the plan's order. The
 mechanism that moves pages (residency/manager.py, mirroring, swapping) never tests which policy made the
@@ -45,5 +45,5 @@ class ResidencyPlan:
     admit_room: Iterable[PagedRequest] = ()
     """Running requests whose demotion may admit a waiting one: all of them together must cover the waiting
     request's whole prompt, or none is demoted for it."""
-    mirror_rows: bool = False
-    """Copy the step's new rows to their pages' host copies after the forward (demotion then needs no copy)."""
+    mirror: bool = False
+    """Copy the pages the step completes to host after the forward (demotion then needs no copy)."""

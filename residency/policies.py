@@ -60,10 +60,10 @@ class HybridPolicy:
 
     def plan(self, scheduler: SchedulerView) -> ResidencyPlan:
         """Promotions while pages are plentiful; under pressure demotions, then parking the newest; decoding
-        requests offered to admit a waiting one; every step's rows mirrored ahead."""
+        requests offered to admit a waiting one; every completed page mirrored ahead."""
         return ResidencyPlan(promote=self._promotions(scheduler), make_room=self._make_room(scheduler),
                              admit_room=self._admission_offer(scheduler),
-                             mirror_rows=self.residency.config.traits.mirrors_ahead)
+                             mirror=self.residency.config.traits.mirrors_ahead)
 
     def _make_room(self, scheduler: SchedulerView) -> Iterator[RoomAction]:
         """Demotions (largest gain first), again once the mirrors in flight land (waiting for them costs less

@@ -118,15 +118,6 @@ class RankResidency:
         """Copies whole GPU pages to host pages on a side stream; the event marks completion (None: done)."""
         return page_mirror.mirror_pages(self.pool, self.host, list(gpu_ids), list(host_ids), self._stream)
 
-    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int],
-                    tokens: Sequence[int]) -> torch.cuda.Event | None:
-        """Copies single tokens' rows of every layer to the same tokens of host pages (per IndexShare
-        group one contiguous run per token) on the side stream of `mirror`, after the forward that
-        wrote them; the event marks completion (None: done). Rows and pages share the stream, so a
-        later mirror's event covers these rows too."""
-        return page_mirror.mirror_rows(self.pool, self.host, list(gpu_ids), list(host_ids), list(tokens),
-                                       self.group_offsets, self.group_run_bytes, self._stream)
-
     def order_after_mirrors(self) -> None:
         """Makes the compute stream wait (on the GPU, the host does not block) for every mirror issued so
         far: a page freed after its copy was queued may be reused by the next forward, and a host copy

@@ -26,7 +26,6 @@ class ResolveCounts:
 @dataclass
 class ResidencyStats:
     pages_mirrored: int = 0
-    rows_mirrored: int = 0  # one token's rows of every layer, copied after the forward that wrote them
     pages_demoted: int = 0
     pages_promoted: int = 0
     pages_swapped_out: int = 0

@@ -42,7 +42,7 @@ class Swapping:
         separate `offload_pool_gib` budget).
         """
         align(req)
-        self.mirroring.take_partial(req)
+        self.mirroring.take_copies(req)
         todo = [(PageUse.MLA, i, p) for i, p in enumerate(req.mla_pages) if req.host_pages[i] is None]
         todo += [(PageUse.INDEXER, j, p) for j, p in enumerate(req.indexer_pages) if req.host_indexer_pages[j] is None]
         indexer = sum(1 for use, _, _ in todo if use is PageUse.INDEXER)

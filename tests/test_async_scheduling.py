@@ -65,7 +65,7 @@ def test_async_scheduling_moves_the_same_pages_under_pressure(tiny_dir: Path) ->
         outs = engine.generate(prompts, [greedy(80)] * len(prompts))
         stats = engine.stats()
         runs.append(([o.token_ids for o in outs],
-                     {k: stats[k] for k in ("pages_mirrored", "rows_mirrored", "pages_demoted", "pages_promoted",
+                     {k: stats[k] for k in ("pages_mirrored", "pages_demoted", "pages_promoted",
                                             "hot_misses", "bytes_h2d")}))
         assert_pages_released(engine)
         assert engine.residency.host.num_in_use() == 0

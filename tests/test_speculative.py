@@ -148,9 +148,9 @@ def test_abort_while_a_continued_step_runs(tiny_dir: Path, reference: list[list[
     assert engine.num_continued_steps > 6  # 3 before the abort, and more after it
 
 
-def test_rows_mirrored_by_continued_steps_serve_after_demotion(tiny_dir: Path, reference: list[list[int]]) -> None:
-    """Under `hybrid` the kept rows of continued steps are mirrored to host when each step is read (its
-    rejected rows never): two requests decode through continued steps, a third one's admission demotes their
+def test_pages_completed_by_continued_steps_serve_after_demotion(tiny_dir: Path, reference: list[list[int]]) -> None:
+    """Under `hybrid` the pages continued steps complete are mirrored to host when the step is read, with
+    their kept rows only: two requests decode through continued steps, a third one's admission demotes their
     pages, and their later steps read those rows back through the hot buffers with the reference tokens."""
     engine = _engine(tiny_dir, 3, "hybrid", 16)
     for i in range(2):

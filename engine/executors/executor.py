@@ -11,8 +11,8 @@ process boundaries.
 Contract, whatever the implementation:
 - calls reach every rank in the order the driver made them;
 - `launch_model` queues a step on every rank; its output, read later, holds the token ids rank 0 sampled;
-- `mirror_pages` and `mirror_rows` are done by one rank into the shared host
-  pool, asynchronously; their ticket says when the host copies are complete;
+- `mirror_pages` is done by one rank into the shared host pool,
+  asynchronously; its ticket says when the host copies are complete;
 - once a rank fails, every later call raises `WorkerError`.
 """
 
@@ -80,11 +80,6 @@ class Executor(ABC):
 
     @abstractmethod
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket: ...
-
-    @abstractmethod
-    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> CopyTicket:
-        """One rank copies the rows of every layer of single tokens into the same tokens of host pages,
-        asynchronously (after the steps already sent); the ticket says when the host bytes are written."""
 
     @abstractmethod
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
@@ -160,9 +155,6 @@ class LocalExecutor(Executor):
 
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket:
         return EventTicket(self.worker.mirror_pages(gpu_ids, host_ids))
-
-    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> CopyTicket:
-        return EventTicket(self.worker.mirror_rows(gpu_ids, host_ids, tokens))
 
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         self.worker.load_pages(host_ids, gpu_ids)

@@ -58,7 +58,7 @@ class RemoteWorker:
     """A rank in a worker process: a `Worker` in a process group, driven by named calls."""
 
     # Calls this class adapts to the process (shared buffers, events, collectives) ...
-    CALLS = frozenset({"attach_host_pool", "execute_model", "mirror_pages", "mirror_rows", "sync", "fence"})
+    CALLS = frozenset({"attach_host_pool", "execute_model", "mirror_pages", "sync", "fence"})
     # ... and calls the rank's `Worker` answers as it is.
     FORWARDED = frozenset({
         "memory_info", "init_kv_pool", "load_pages", "read_pages", "write_pages", "copy_pages", "open_lease",
@@ -102,12 +102,6 @@ class RemoteWorker:
 
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> None:
         event = self.worker.mirror_pages(gpu_ids, host_ids)
-        if event is not None:
-            self._mirrors.append(event)
-
-    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> None:
-        """As `mirror_pages`: the event stays here (it cannot travel), finished by `sync`."""
-        event = self.worker.mirror_rows(gpu_ids, host_ids, tokens)
         if event is not None:
             self._mirrors.append(event)
 
@@ -260,13 +254,6 @@ class RemoteExecutor(Executor):
             self._run(self._ranks, ("fence", ()), wait=False)
             self._loads_since_wait = False
         self._run((0,), ("mirror_pages", (list(gpu_ids), list(host_ids))), wait=False)
-        return SyncTicket(self, self._num_sent_waits)
-
-    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int], tokens: Sequence[int]) -> CopyTicket:
-        if self._loads_since_wait:
-            self._run(self._ranks, ("fence", ()), wait=False)
-            self._loads_since_wait = False
-        self._run((0,), ("mirror_rows", (list(gpu_ids), list(host_ids), list(tokens))), wait=False)
         return SyncTicket(self, self._num_sent_waits)
 
     def sync(self) -> None:

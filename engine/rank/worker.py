@@ -236,10 +236,6 @@ class Worker:
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> torch.cuda.Event | None:
         return self._host_tier().mirror(gpu_ids, host_ids)
 
-    def mirror_rows(self, gpu_ids: Sequence[int], host_ids: Sequence[int],
-                    tokens: Sequence[int]) -> torch.cuda.Event | None:
-        return self._host_tier().mirror_rows(gpu_ids, host_ids, tokens)
-
     def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
         self._host_tier().load(host_ids, gpu_ids)
 
