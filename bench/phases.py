@@ -4,7 +4,8 @@ Wraps the scheduler, the step builder, the worker's forward, the attention ops, 
 resolves, the mirrors and the residency manager's moves in timers that synchronise
 the GPU before and after each call, so a phase's time includes the GPU work it queued
 (the run is slower than an untimed one; compare phases, not totals, with the plain
-bench). After each policy it prints seconds per phase and the mean step time by the
+bench). Calls made while a CUDA graph is captured are not timed, and a replayed decode
+graph calls no Python: under graphs the forward's phases count the eager steps only. After each policy it prints seconds per phase and the mean step time by the
 step's kind (decode only, prefill, extends of requests with host-only pages), and
 writes every step's record to `$OUT/steps-<policy>-<trace>.json`. A step far above its
 kind's mean is a stall (a kernel compile shows up this way).
@@ -72,6 +73,11 @@ class PhaseTimer:
         self._step: dict[str, Any] = {}
 
     @staticmethod
+    def _capturing() -> bool:
+        """Whether the current stream is capturing a graph, where a synchronisation would end the capture."""
+        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+    @staticmethod
     def _sync() -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -81,6 +87,8 @@ class PhaseTimer:
 
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
+            if self._capturing():  # a CUDA graph being captured records work, runs none: nothing to time
+                return fn(*args, **kwargs)
             self._sync()
             start = time.perf_counter()
             try:
