@@ -47,7 +47,7 @@ def set_host(req: PagedRequest, use: PageUse, index: int, host_page: int) -> Non
 
 
 class Mirroring:
-    """Host copies of running requests' pages, built as the pages are written."""
+    """Host copies of running requests' pages, made as the pages complete."""
 
     def __init__(self, executor: PoolExecutor, host: HostPool, stats: ResidencyStats,
                  indexer_tokens_per_page: int) -> None:
