@@ -5,10 +5,11 @@ resolves, the mirrors and the residency manager's moves in timers that synchroni
 the GPU before and after each call, so a phase's time includes the GPU work it queued
 (the run is slower than an untimed one; compare phases, not totals, with the plain
 bench). Calls made while a CUDA graph is captured are not timed, and a replayed decode
-graph calls no Python: under graphs the forward's phases count the eager steps only. After each policy it prints seconds per phase and the mean step time by the
-step's kind (decode only, prefill, extends of requests with host-only pages), and
-writes every step's record to `$OUT/steps-<policy>-<trace>.json`. A step far above its
-kind's mean is a stall (a kernel compile shows up this way).
+graph calls no Python: under graphs the forward's phases count the eager steps only.
+After each policy it prints seconds per phase and the mean step time by the step's kind
+(decode only, prefill, extends of requests with host-only pages), and writes every
+step's record to `$OUT/steps-<policy>-<trace>.json`. A step far above its kind's mean
+is a stall (a kernel compile shows up this way).
 
 Usage: python bench/phases.py [policies.py arguments], e.g.
 `python bench/phases.py --scale 0.0625 --turns 13 --trace model --policies hybrid offload`
