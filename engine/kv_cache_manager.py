@@ -219,9 +219,10 @@ class KVCacheManager:
         """Hashes the pages of `req` whose tokens are all computed and registers them for reuse.
 
         Hashes are kept even with the prefix cache off: they name host copies. Pages registered by an
-        earlier step are skipped (a decode step registers at most one new page, not the whole context),
-        from the first page that was host-only at its registration on (it registers once back). A page
-        whose last token was sampled by a step still running registers at the next call.
+        earlier step are skipped, so a decode step costs its new page, not the whole context (a request
+        with host-only pages included: such a page registers when it comes back, which moves the mark
+        back, `Request.pages_replaced_from`). A page whose last token was sampled by a step still running
+        registers at the next call.
         """
         computed = min(req.num_computed_tokens, req.num_known_tokens)  # a pending token's id is not known yet
         full = computed // self.page_size
@@ -238,8 +239,7 @@ class KVCacheManager:
             self.cache.insert(req.indexer_pages[j], PageUse.INDEXER, req.page_hashes[(j + 1) * per_idx - 1])
         for i in range(start, full):  # every completed MLA page names the indexer page holding its keys
             self.cache.add_alias(req.indexer_pages[i // per_idx], PageUse.INDEXER, req.page_hashes[i])
-        host_only = (i for i in range(start, full) if req.mla_pages[i] is None)
-        req.num_registered_pages = next(host_only, full)
+        req.num_registered_pages = full
 
     def free(self, req: Request) -> None:
         """Releases every page of `req`, tail first so the tail is evicted first.

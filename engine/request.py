@@ -90,7 +90,8 @@ class Request:
     host_indexer_pages: list[int | None] = field(default_factory=list)
     hot: HotLease | None = None  # hot rows while some pages are host-only
     page_hashes: list[bytes] = field(default_factory=list)
-    num_registered_pages: int = 0  # MLA pages below this index are in the prefix cache (kv_cache_manager.py)
+    # MLA pages below this index were registered for reuse (kv_cache_manager.py), host-only ones once back
+    num_registered_pages: int = 0
     num_pending_tokens: int = 0  # sampled by a step still running (asynchronous scheduling), ids not yet read
     # smallest page index whose MLA / host page entry changed other than by appending since the rows were last
     # sent to the ranks (engine/page_tables.py sends them from there); 0 also covers the indexer pages

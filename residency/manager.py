@@ -101,7 +101,7 @@ class ResidencyManager:
         return len(pages) - leased
 
     def promotion_cost(self, req: PagedRequest) -> int:
-        return sum(1 for p in req.mla_pages if p is None)
+        return req.mla_pages.count(None)
 
     def promote(self, req: PagedRequest) -> bool:
         """mixed/none -> full: copies host-only pages back and returns the hot buffer."""

@@ -12,6 +12,7 @@ import torch
 from engine.llm_engine import LLMEngine
 from engine.request import InvalidRequestError
 from residency.config import HiSparseConfig
+from residency.page_pool import PageUse
 from tests.helpers import LogitsRecorder, assert_pages_released, greedy, make_engine
 
 # Three requests that fit at admission (5 pages each) but not once they grow past 320 tokens.
@@ -144,6 +145,27 @@ def test_demote_promote_round_trip_is_byte_identical(tiny_dir: Path) -> None:
     assert residency.promote(req) and residency.state(req) == "full" and req.hot is None
     for i, digest in before.items():
         assert _checksum(pool[req.mla_pages[i]]) == digest
+    engine.abort_request("a")
+    assert_pages_released(engine)
+
+
+def test_promoted_pages_register_for_prefix_reuse_again(tiny_dir: Path) -> None:
+    """A page registers for reuse once (a decode step does not walk the whole context again), and one that
+    was host-only registers when promotion brings it back: every completed page is then found in the GPU
+    prefix cache under its hash, as the promoted page."""
+    hs = HiSparseConfig(policy="hybrid", host_pool_gib=0.05)
+    engine = make_engine(tiny_dir, num_gpu_pages=40, enable_prefix_cache=True, hisparse=hs)
+    engine.add_request("a", _prompt(300, 4), greedy(50))
+    req = engine.scheduler.waiting[0]
+    residency, cache = engine.residency, engine.kv.cache
+    _run_until(engine, lambda: len(residency.demotable(req)) >= 3)
+    assert residency.demote(req) > 0
+    cache.clear()  # the demoted pages' old GPU copies are dropped: only a promoted page can answer a lookup
+    assert residency.promote(req)  # (the policy would too: pages are plentiful)
+    engine.step()
+    assert req.num_registered_pages == req.num_computed_tokens // 64
+    for i in range(req.num_computed_tokens // 64):
+        assert cache.lookup(PageUse.MLA, req.page_hashes[i]) == req.mla_pages[i], f"page {i} not registered"
     engine.abort_request("a")
     assert_pages_released(engine)
 
