@@ -65,11 +65,9 @@ class Mirroring:
     def mirror_step(self, steps: list[tuple[PagedRequest, int, int]]) -> None:
         """Mirrors the MLA pages a forward completed: for each (request, first, end) the forward wrote
         tokens [first, end), and every page those rows complete is copied whole to a fresh host page, one
-        launch for all. It becomes demotable (and findable by its hash) as soon as the copy is done, a
-        step or so later, with nothing left to copy when pressure comes. A step that completes no page
-        costs a few comparisons a request: rows are not copied as they are written (that was host work
-        and a mirror launch every decode step); a request that stops running copies its tail then
-        (`Swapping.swap_out`)."""
+        launch for all (with the catch-up's pages). It becomes demotable (and findable by its hash) once
+        the copy is done, a step or so later. A step that completes no page costs a few comparisons a
+        request."""
         self.poll()
         in_flight = {(id(p.request), e[0], e[1]) for p in self._pending for e in p.entries}
         whole: list[tuple[int, int]] = []

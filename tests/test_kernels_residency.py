@@ -2,8 +2,7 @@
 
 Covers `kernels/resolve.py` (resident / hot hit / miss classification, LRU
 victim choice, reverse map, host -> hot slot copies), `kernels/page_mirror.py`
-(whole pages, and single tokens' runs of every IndexShare group) and
-`kernels/fp8_pack.py`. Outputs start poisoned and every element is compared,
+(whole pages) and `kernels/fp8_pack.py`. Outputs start poisoned and every element is compared,
 including the bytes a kernel must leave alone.
 """
 
