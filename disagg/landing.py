@@ -93,6 +93,7 @@ def land_prefix(engine: LLMEngine, token_ids: list[int], export: KVExport) -> La
 def _land_on_host(engine: LLMEngine, token_ids: list[int], export: KVExport) -> int:
     """Caches the export's indexer-page groups in the host pool, in order, while host pages last."""
     kv, host = engine.kv, engine.residency.host
+    engine.residency.wait_for_loads()  # the pages written below may have been read by a load in flight
     hashes, _, _ = kv.lookup_prefix(token_ids)
     head = export.start_tokens // kv.page_size
     if hashes[head : head + len(export.page_hashes)] != export.page_hashes:

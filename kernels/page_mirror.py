@@ -132,8 +132,8 @@ def mirror_pages_triton(gpu_pool: torch.Tensor, host_pool: torch.Tensor, gpu_pag
     return event
 
 
-def _runs(gpu_ids: list[int], host_ids: list[int]) -> list[tuple[int, int, int]]:
-    """(gpu start, host start, length) of maximal runs of consecutive page pairs."""
+def page_runs(gpu_ids: list[int], host_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(gpu start, host start, length) of maximal runs of consecutive page pairs: one copy each."""
     runs: list[tuple[int, int, int]] = []
     for g, h in zip(gpu_ids, host_ids):
         if runs and runs[-1][0] + runs[-1][2] == g and runs[-1][1] + runs[-1][2] == h:
@@ -148,7 +148,7 @@ def mirror_pages_reference(gpu_pool: torch.Tensor, host_pool: torch.Tensor, gpu_
     """PyTorch twin of `mirror_pages_triton`: one `copy_` per run of consecutive pages."""
     gpu_ids, host_ids = _as_ids(gpu_page_ids), _as_ids(host_page_ids)
     _check(gpu_pool, host_pool, gpu_ids, host_ids)
-    runs = _runs(gpu_ids, host_ids)
+    runs = page_runs(gpu_ids, host_ids)
     if not gpu_pool.is_cuda:
         for g, h, n in runs:
             host_pool[h : h + n].copy_(gpu_pool[g : g + n])

@@ -52,8 +52,9 @@ class PoolExecutor(Protocol):
         """Whole GPU pages -> host pages, asynchronously."""
         ...
 
-    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
-        """Whole host pages -> GPU pages, on every rank before its next step."""
+    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> CopyTicket:
+        """Whole host pages -> GPU pages, on every rank before its next step; done once every rank has
+        read the host pages."""
         ...
 
     def open_lease(self, request_id: str, pages: Sequence[int], capacity: int) -> None:

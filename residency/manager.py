@@ -28,7 +28,7 @@ from residency.config import HiSparseConfig
 from residency.hot_buffer import PAGE_SIZE
 from residency.hot_leases import HotLeases
 from residency.host_pool import HostPool
-from residency.interfaces import PagedRequest, PoolExecutor
+from residency.interfaces import CopyTicket, PagedRequest, PoolExecutor
 from residency.mirroring import Mirroring
 from residency.page_pool import PageUse
 from residency.prefix_cache import PrefixCache
@@ -54,6 +54,7 @@ class ResidencyManager:
         self.hot = HotLeases(gpu_cache, executor, index_topk, config.hot_rows_for(index_topk))
         self.indexer_tokens_per_page = indexer_tokens_per_page
         self.stats = ResidencyStats()
+        self._loads: CopyTicket | None = None  # the last page load's completion
         self.mirroring = Mirroring(executor, host, self.stats, indexer_tokens_per_page)
         self.swapping = Swapping(config, gpu_cache, host, executor, self.mirroring, self.hot, self.stats,
                                  self.load_pages, int(config.offload_pool_gib * 2**30) // self.page_bytes)
@@ -122,8 +123,16 @@ class ResidencyManager:
         """Copies host pages into GPU pages on every rank (promotion, swap-in, host prefix reuse)."""
         if not gpu_ids:
             return
-        self.executor.load_pages(host_ids, gpu_ids)
+        self._loads = self.executor.load_pages(host_ids, gpu_ids)
         self.stats.bytes_h2d += len(gpu_ids) * self.page_bytes
+
+    def wait_for_loads(self) -> None:
+        """Blocks until every rank has read the host pages of the loads issued so far: the loads are not
+        waited for when issued, and a host page freed after its load may be handed out again, so a CPU
+        writer of the host pool (P/D landing) calls this first."""
+        if self._loads is not None:
+            self._loads.wait()
+            self._loads = None
 
     # --- lookups for non-resident tokens (resolved on the ranks, in the forward) ------
 

@@ -71,6 +71,7 @@ class RankResidency:
         # place (by captured graphs too), read once per step
         self._tally = torch.zeros(TALLY_SIZE, dtype=torch.long, device=pool.device)
         self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
+        self._loaded: torch.cuda.Event | None = None  # marks the last load's copies done
         self._resolve = resolve.resolve_leases if pool.is_cuda else resolve.resolve_leases_reference
 
     def warm_up(self, topk: int) -> None:
@@ -125,13 +126,32 @@ class RankResidency:
         if self._stream is not None:
             torch.cuda.current_stream(self.pool.device).wait_stream(self._stream)
 
-    def load(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
-        """Copies whole host pages into GPU pages, in order with this rank's forward steps."""
+    def load(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> torch.cuda.Event | None:
+        """Copies whole host pages into GPU pages, in order with this rank's forward steps; returns the
+        event that marks the copies done (None: done already, off the GPU).
+
+        On the GPU the copies are queued on the compute stream (after the forward in flight, before the
+        next) and the host does not wait for them: a blocking copy would wait for the forward in flight
+        too and leave the next step's preparation unoverlapped. The host pages are read after the call
+        returns, so a CPU writer of the host pool waits for `wait_for_loads` first; writes by mirrors
+        are ordered after the loads on the device."""
         if not gpu_ids:
-            return
+            return None
         self.order_after_mirrors()
-        dst = torch.tensor(list(gpu_ids), dtype=torch.long, device=self.pool.device)
-        self.pool[dst] = self.host[torch.tensor(list(host_ids), dtype=torch.long)].to(self.pool.device)
+        if not self.pool.is_cuda:
+            dst = torch.tensor(list(gpu_ids), dtype=torch.long)
+            self.pool[dst] = self.host[torch.tensor(list(host_ids), dtype=torch.long)]
+            return None
+        for gpu, host, n in page_mirror.page_runs(list(gpu_ids), list(host_ids)):
+            self.pool[gpu : gpu + n].copy_(self.host[host : host + n], non_blocking=True)
+        self._loaded = torch.cuda.Event()
+        self._loaded.record(torch.cuda.current_stream(self.pool.device))
+        return self._loaded
+
+    def wait_for_loads(self) -> None:
+        """Blocks until every load issued so far has read its host pages."""
+        if self._loaded is not None:
+            self._loaded.synchronize()
 
     # --- lookups for non-resident tokens ----------------------------------------------
 

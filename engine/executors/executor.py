@@ -82,8 +82,9 @@ class Executor(ABC):
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket: ...
 
     @abstractmethod
-    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
-        """Every rank copies the host pages into its GPU pages before its next step."""
+    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> CopyTicket:
+        """Every rank copies the host pages into its GPU pages before its next step; the ticket is done
+        once every rank has read the host pages (until then none of them may be written by the CPU)."""
 
     @abstractmethod
     def read_pages(self, gpu_ids: Sequence[int]) -> torch.Tensor:
@@ -156,8 +157,8 @@ class LocalExecutor(Executor):
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> CopyTicket:
         return EventTicket(self.worker.mirror_pages(gpu_ids, host_ids))
 
-    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
-        self.worker.load_pages(host_ids, gpu_ids)
+    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> CopyTicket:
+        return EventTicket(self.worker.load_pages(host_ids, gpu_ids))
 
     def read_pages(self, gpu_ids: Sequence[int]) -> torch.Tensor:
         return self.worker.read_pages(gpu_ids)

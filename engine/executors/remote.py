@@ -16,11 +16,12 @@ where the driver waits for them. Everything else is here and shared:
   rank 0 finishes them before it answers that step (or a `sync`), so a mirror
   ticket is done once a step launched (or a sync sent) after it has answered.
 - Host pages are read by every rank (loads; resolves inside a step) but
-  written by rank 0 alone (mirrors). A host page the driver freed after a load
-  may be reused by a mirror before a slower rank has done that load, so when
-  loads were sent since the ranks last met (a step's collectives or a wait),
-  all ranks meet at a barrier before rank 0 writes the host pool. Reads inside
-  a step are fenced by the step's own all-reduces.
+  written by rank 0 alone (mirrors). Loads are queued on each rank's stream,
+  not waited for, and a host page the driver freed after a load may be reused
+  by a mirror before a slower rank has done that load, so when loads were sent
+  since the ranks last met (a step's collectives or a wait), all ranks meet at
+  a barrier, each once its loads are done, before rank 0 writes the host pool.
+  Reads inside a step are fenced by the step's own all-reduces.
 """
 
 from __future__ import annotations
@@ -58,10 +59,10 @@ class RemoteWorker:
     """A rank in a worker process: a `Worker` in a process group, driven by named calls."""
 
     # Calls this class adapts to the process (shared buffers, events, collectives) ...
-    CALLS = frozenset({"attach_host_pool", "execute_model", "mirror_pages", "sync", "fence"})
+    CALLS = frozenset({"attach_host_pool", "execute_model", "mirror_pages", "load_pages", "sync", "fence"})
     # ... and calls the rank's `Worker` answers as it is.
     FORWARDED = frozenset({
-        "memory_info", "init_kv_pool", "load_pages", "read_pages", "write_pages", "copy_pages", "open_lease",
+        "memory_info", "init_kv_pool", "read_pages", "write_pages", "copy_pages", "open_lease",
         "resize_lease", "close_lease", "lease_digests",
     })
 
@@ -105,6 +106,9 @@ class RemoteWorker:
         if event is not None:
             self._mirrors.append(event)
 
+    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
+        self.worker.load_pages(host_ids, gpu_ids)  # its event stays with the rank (`fence`, `sync`)
+
     def sync(self) -> None:
         """Finishes this rank's outstanding mirrors (and its device work, on CUDA)."""
         for event in self._mirrors:
@@ -114,11 +118,13 @@ class RemoteWorker:
             torch.cuda.synchronize(self.worker.device)
 
     def fence(self) -> None:
+        """Meets every rank once each has read the host pages of its loads (queued, not yet waited for)."""
+        self.worker.wait_for_loads()
         dist.barrier()
 
 
 class SyncTicket(CopyTicket):
-    """A copy done by a rank: complete once a call the ranks answer, sent after it, has been answered."""
+    """A copy done by the ranks: complete once a call the ranks answer, sent after it, has been answered."""
 
     def __init__(self, executor: RemoteExecutor, seq: int) -> None:
         self.executor, self.seq = executor, seq  # answered calls sent before the copy
@@ -262,9 +268,10 @@ class RemoteExecutor(Executor):
         self._run(self._ranks, ("sync", ()), wait=True)
         self.num_waits += 1
 
-    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
+    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> CopyTicket:
         self._run(self._ranks, ("load_pages", (list(host_ids), list(gpu_ids))), wait=False)
         self._loads_since_wait = True
+        return SyncTicket(self, self._num_sent_waits)  # a rank answers a step only after its loads
 
     def read_pages(self, gpu_ids: Sequence[int]) -> torch.Tensor:
         [data] = self._run((0,), ("read_pages", (list(gpu_ids),)), wait=True)

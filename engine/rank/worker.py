@@ -236,8 +236,13 @@ class Worker:
     def mirror_pages(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> torch.cuda.Event | None:
         return self._host_tier().mirror(gpu_ids, host_ids)
 
-    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> None:
-        self._host_tier().load(host_ids, gpu_ids)
+    def load_pages(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> torch.cuda.Event | None:
+        """Queues the copies (residency/rank.py); the event marks them done (None: done already)."""
+        return self._host_tier().load(host_ids, gpu_ids)
+
+    def wait_for_loads(self) -> None:
+        if self.residency is not None:
+            self.residency.wait_for_loads()
 
     def read_pages(self, gpu_ids: Sequence[int]) -> torch.Tensor:
         """Whole pages of this rank's pool, on the CPU (every rank holds the same bytes)."""
