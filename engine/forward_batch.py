@@ -52,19 +52,21 @@ class ForwardBatch:
     def from_step(
         cls, step: StepInput, layout: KVLayout, device: torch.device, residency: RankResidency | None
     ) -> ForwardBatch:
-        """This rank's batch: the step's host data on `device`."""
+        """This rank's batch: the step's host data on `device`. The copies do not wait for the device (a
+        blocking copy would wait for the step in flight, and the host would prepare this one unoverlapped);
+        the driver stages their host memory before each call returns."""
         single = {b for b, (start, end) in enumerate(step.row_ranges) if end - start == 1}
         decode = [(step.row_ranges[b][0], spec) for b, spec in step.nonresident.items() if b in single]
         return cls(
-            input_ids=step.input_ids.to(device),
-            positions=step.positions.to(device),
-            req_of_row=step.req_of_row.to(device),
-            mla_write_slots=step.mla_write_slots.to(device),
-            indexer_write_slots=step.indexer_write_slots.to(device),
-            mla_page_table=step.mla_page_table.to(device, torch.long),
-            indexer_page_table=step.indexer_page_table.to(device, torch.long),
-            context_lens=torch.tensor(step.context_lens, dtype=torch.long, device=device),
-            logits_rows=step.logits_rows.to(device),
+            input_ids=step.input_ids.to(device, non_blocking=True),
+            positions=step.positions.to(device, non_blocking=True),
+            req_of_row=step.req_of_row.to(device, non_blocking=True),
+            mla_write_slots=step.mla_write_slots.to(device, non_blocking=True),
+            indexer_write_slots=step.indexer_write_slots.to(device, non_blocking=True),
+            mla_page_table=step.mla_page_table.to(device, torch.long, non_blocking=True),
+            indexer_page_table=step.indexer_page_table.to(device, torch.long, non_blocking=True),
+            context_lens=torch.tensor(step.context_lens, dtype=torch.long).to(device, non_blocking=True),
+            logits_rows=step.logits_rows.to(device, non_blocking=True),
             row_ranges=list(step.row_ranges),
             context_lens_host=list(step.context_lens),
             request_ids=list(step.request_ids),

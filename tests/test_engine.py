@@ -163,6 +163,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_dir: Path) -
         ([], greedy(4), "empty"),
         ([1, 2, 100000], greedy(4), "token ids"),
         ([1, -3], greedy(4), "token ids"),
+        ([1, True, 2], greedy(4), "token ids"),
+        ([1, 2.0], greedy(4), "token ids"),
+        (["1", 2], greedy(4), "token ids"),
         (list(range(10)) * 60, greedy(4), "maximum context length"),
     ],
 )

@@ -197,7 +197,8 @@ class Worker:
     def _eager(self, step: StepInput) -> torch.Tensor:
         batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
         if step.prev_rows is not None:
-            batch.input_ids = with_previous_tokens(batch.input_ids, step.prev_rows.to(self.device), self.last_tokens)
+            batch.input_ids = with_previous_tokens(batch.input_ids, step.prev_rows.to(self.device, non_blocking=True),
+                                                  self.last_tokens)
         hidden = self.model.hidden_states(batch, self.kv_pool, self.layout, self.ops)
         return self.sample_logits(self.model.logits(hidden), step.sampling.to(self.device))
 
@@ -205,7 +206,8 @@ class Worker:
         """Verifies the step's drafts and proposes the next (engine/rank/speculative.py); eager."""
         batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
         return speculative_step(self.model, batch, self._pool, self._scratch_slots, self.layout, self.ops,
-                                step.sampling.to(self.device), self.sample_logits, step.draft.to(self.device))
+                                step.sampling.to(self.device), self.sample_logits,
+                                step.draft.to(self.device, non_blocking=True))
 
     def sample_logits(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
         """The token ids of `logits` [S, V] (a method, so a test can watch the logits of an eager or an
