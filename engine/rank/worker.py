@@ -206,8 +206,7 @@ class Worker:
         """Verifies the step's drafts and proposes the next (engine/rank/speculative.py); eager."""
         batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
         return speculative_step(self.model, batch, self._pool, self._scratch_slots, self.layout, self.ops,
-                                step.sampling.to(self.device), self.sample_logits,
-                                step.draft.to(self.device, non_blocking=True))
+                                step.sampling.to(self.device), self.sample_logits, step.draft.to(self.device))
 
     def sample_logits(self, logits: torch.Tensor, sampling: SamplingBatch) -> torch.Tensor:
         """The token ids of `logits` [S, V] (a method, so a test can watch the logits of an eager or an
