@@ -182,24 +182,29 @@ class RankResidency:
         flat = torch.where(valid, positions, far).reshape(-1).sort().values
         repeat = torch.zeros_like(flat, dtype=torch.bool)
         repeat[1:] = flat[1:] == flat[:-1]
-        union = torch.full((pieces * _UNION_PIECE,), far, dtype=torch.int32, device=dev)
+        union = torch.full((pieces, _UNION_PIECE), far, dtype=torch.int32, device=dev)
         taken = min(flat.numel(), union.numel())
-        union[:taken] = torch.where(repeat, far, flat).sort().values[:taken]
-        count = (union < far).sum()
-        union_slots = torch.empty(union.numel(), dtype=torch.long, device=dev)
-        copied = torch.zeros((), dtype=torch.long, device=dev)
+        union.view(-1)[:taken] = torch.where(repeat, far, flat).sort().values[:taken]
+        counts = (union < far).sum(dim=1, dtype=torch.int32)  # sorted: each piece's positions come first
+        union_slots = torch.empty_like(union)
         lease = [tables.lease(group)]
-        for begin in range(0, union.numel(), _UNION_PIECE):
-            piece_count = (count - begin).clamp(0, _UNION_PIECE).to(torch.int32).reshape(1)
-            result = self._resolve(
-                union[None, begin : begin + _UNION_PIECE], piece_count, gpu, host, lease, step,
-                self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host,
-            )
-            union_slots[begin : begin + _UNION_PIECE] = result.kv_slots[0].long()
-            copied += result.num_copied.sum()
+        # the lease's table moves to the device once for every piece (the kernel reads the tables by address)
+        table = resolve.lease_table(lease).to(dev, non_blocking=True) if self.pool.is_cuda else None
+        copied = []
+        for i in range(pieces):
+            piece = slice(i, i + 1)
+            args = (union[piece], counts[piece], gpu, host)
+            tail = (step, self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host)
+            if table is None:
+                result = resolve.resolve_leases_reference(*args, lease, *tail, out=union_slots[piece])
+            else:
+                result = resolve.resolve_lease_table(*args, table, _STAMP_DTYPE, _MAP_DTYPE, *tail,
+                                                     out=union_slots[piece])
+            copied.append(result.num_copied)
+        union, union_slots = union.view(-1), union_slots.view(-1)
         at = torch.searchsorted(union, positions.to(torch.int32).contiguous()).clamp(max=union.numel() - 1)
         slots.copy_(torch.where(valid, union_slots[at].clamp(min=0), slots))
-        self._count(group, valid.sum(), copied, ((union < far) & (union_slots < 0)).sum())
+        self._count(group, valid.sum(), torch.cat(copied).sum(), ((union < far) & (union_slots < 0)).sum())
 
     def lease_rows(self, specs: Sequence[NonResidentSpec | None]) -> tuple[list[list[LeaseState | None]], torch.Tensor]:
         """Each row's LRU tables per group (None for a row without host-only pages) and the same as a host

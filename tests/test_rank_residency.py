@@ -37,12 +37,20 @@ def group_runs(pool: torch.Tensor, layout: KVLayout, group: int) -> torch.Tensor
 @pytest.mark.parametrize("piece", [4096, 16])
 def test_extend_rows_read_the_host_bytes_of_their_selection(tiny_dir: Path, piece: int, monkeypatch) -> None:
     monkeypatch.setattr(rank_residency, "_UNION_PIECE", piece)
+    check_extend_rows(tiny_dir, piece, torch.device("cpu"))
+
+
+def check_extend_rows(tiny_dir: Path, piece: int, device: torch.device) -> None:
+    """Nine rows of an extend select overlapping host-only positions: each group resolves their union
+    (in pieces of `_UNION_PIECE`), every selected host-only row reads its host bytes, resident rows keep
+    their slots, and the union is loaded once (repeats are hits). On the GPU through the kernels."""
     layout = KVLayout.for_model(ModelConfig.from_dir(tiny_dir), "bf16")
     rng = random.Random(piece)
     num_tokens = 10 * PAGE
     gen = torch.Generator().manual_seed(0)
-    pool = torch.randint(0, 256, (24, layout.page_bytes), dtype=torch.uint8, generator=gen)
+    pool = torch.randint(0, 256, (24, layout.page_bytes), dtype=torch.uint8, generator=gen).to(device)
     host = torch.randint(0, 256, (16, layout.page_bytes), dtype=torch.uint8, generator=gen)
+    host = host.pin_memory() if device.type == "cuda" else host
     gpu_pages = torch.tensor([-1, 3, -1, -1, 5, -1, -1, -1, 7, 8], dtype=torch.int32)  # tail resident
     host_pages = torch.tensor([15, 2, 9, 4, 0, 11, 6, 13, 1, 3], dtype=torch.int32)
     host_only = [p for p in range(num_tokens) if gpu_pages[p // PAGE] < 0]
@@ -60,8 +68,10 @@ def test_extend_rows_read_the_host_bytes_of_their_selection(tiny_dir: Path, piec
         resident = gpu_pages[positions // PAGE] >= 0
         slots[resident] = 1000 + positions[resident]  # what the rows already point at in place
         before = slots.clone()
-        residency.resolve_rows(spec, group, positions, lens, step=group + 1, slots=slots)
-        runs, host_runs = group_runs(pool, layout, group), group_runs(host, layout, group)
+        on_device = slots.to(device)
+        residency.resolve_rows(spec, group, positions.to(device), lens.to(device), step=group + 1, slots=on_device)
+        slots = on_device.cpu()
+        runs, host_runs = group_runs(pool.cpu(), layout, group), group_runs(host, layout, group)
         for r in range(rows):
             for j in range(k):
                 p = int(positions[r, j])
