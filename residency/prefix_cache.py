@@ -26,10 +26,15 @@ PageKey = tuple[PageUse, bytes]
 def chain_hashes(token_ids: Sequence[int], page_size: int, parents: Sequence[bytes] = ()) -> list[bytes]:
     """Hashes of every full page of `token_ids`, continuing the chain `parents` (hashes of earlier pages)."""
     hashes = list(parents)
-    for start in range(len(hashes) * page_size, len(token_ids) - page_size + 1, page_size):
+    first = len(hashes) * page_size
+    full = first + (len(token_ids) - first) // page_size * page_size
+    # the ids converted once (a conversion a page cost more than its hash), each page a slice of the bytes
+    data = memoryview(np.asarray(token_ids[first:full], dtype=np.int64).tobytes())
+    page_bytes = page_size * 8
+    for start in range(0, len(data), page_bytes):
         digest = hashlib.blake2b(digest_size=16)
         digest.update(hashes[-1] if hashes else b"root")
-        digest.update(np.asarray(token_ids[start : start + page_size], dtype=np.int64).tobytes())
+        digest.update(data[start : start + page_bytes])
         hashes.append(digest.digest())
     return hashes[len(parents) :]
 
