@@ -48,7 +48,8 @@ def main() -> int:
         return 1
     sites: collections.Counter[str] = collections.Counter()
 
-    def count(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
+    def count(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+              file: object = None, line: str | None = None) -> None:
         sites[call_site()] += 1
 
     warnings.showwarning = count
