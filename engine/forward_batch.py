@@ -54,7 +54,7 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """This rank's batch: the step's host data on `device`. The copies do not wait for the device (a
         blocking copy would wait for the step in flight, and the host would prepare this one unoverlapped);
-        the driver stages their host memory before each call returns."""
+        CUDA copies pageable host memory to its own staging before each call returns."""
         single = {b for b, (start, end) in enumerate(step.row_ranges) if end - start == 1}
         decode = [(step.row_ranges[b][0], spec) for b, spec in step.nonresident.items() if b in single]
         return cls(

@@ -46,7 +46,7 @@ class HotTables:
     @staticmethod
     def _slots(pages: tuple[int, ...], device: torch.device) -> torch.Tensor:
         slots = (torch.tensor(pages, dtype=torch.int32)[:, None] * PAGE_SIZE + torch.arange(PAGE_SIZE)).reshape(-1)
-        return slots.to(device=device, dtype=torch.int32, non_blocking=True)  # not waiting for the forward
+        return slots.to(device=device, dtype=torch.int32, non_blocking=True)  # pageable: staged, no wait
 
     @staticmethod
     def _empty(num_groups: int, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,13 +28,11 @@ def chain_hashes(token_ids: Sequence[int], page_size: int, parents: Sequence[byt
     hashes = list(parents)
     first = len(hashes) * page_size
     full = first + (len(token_ids) - first) // page_size * page_size
-    # the ids converted once (a conversion a page cost more than its hash), each page a slice of the bytes
-    data = memoryview(np.asarray(token_ids[first:full], dtype=np.int64).tobytes())
-    page_bytes = page_size * 8
-    for start in range(0, len(data), page_bytes):
+    ids = np.asarray(token_ids[first:full], dtype=np.int64)  # converted once: a conversion a page cost more
+    for start in range(0, len(ids), page_size):
         digest = hashlib.blake2b(digest_size=16)
         digest.update(hashes[-1] if hashes else b"root")
-        digest.update(data[start : start + page_bytes])
+        digest.update(ids[start : start + page_size])  # a contiguous slice: its int64 bytes, as before
         hashes.append(digest.digest())
     return hashes[len(parents) :]
 

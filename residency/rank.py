@@ -72,7 +72,6 @@ class RankResidency:
         self._tally = torch.zeros(TALLY_SIZE, dtype=torch.long, device=pool.device)
         self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
         self._loaded: torch.cuda.Event | None = None  # marks the last load's copies done
-        self._resolve = resolve.resolve_leases if pool.is_cuda else resolve.resolve_leases_reference
 
     def warm_up(self, topk: int) -> None:
         """Compiles the resolve kernels for this pool before the first step: a compile takes about a
@@ -87,8 +86,8 @@ class RankResidency:
         for width in sorted({topk, _UNION_PIECE}):
             positions = torch.zeros(1, width, dtype=torch.int32, device=dev)
             for group in range(self.num_groups):
-                self._resolve(positions, count, page, page, lease, 0, self.group_offsets[group],
-                              self.group_run_bytes[group], self.pool, self.host)
+                resolve.resolve_leases(positions, count, page, page, lease, 0, self.group_offsets[group],
+                                       self.group_run_bytes[group], self.pool, self.host)
 
     # --- leases ----------------------------------------------------------------------
 
@@ -188,18 +187,12 @@ class RankResidency:
         counts = (union < far).sum(dim=1, dtype=torch.int32)  # sorted: each piece's positions come first
         union_slots = torch.empty_like(union)
         lease = [tables.lease(group)]
-        # the lease's table moves to the device once for every piece (the kernel reads the tables by address)
-        table = resolve.lease_table(lease).to(dev, non_blocking=True) if self.pool.is_cuda else None
+        table = resolve.lease_table(lease).to(dev, non_blocking=True)  # moved once for every piece
         copied = []
         for i in range(pieces):
             piece = slice(i, i + 1)
-            args = (union[piece], counts[piece], gpu, host)
-            tail = (step, self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host)
-            if table is None:
-                result = resolve.resolve_leases_reference(*args, lease, *tail, out=union_slots[piece])
-            else:
-                result = resolve.resolve_lease_table(*args, table, _STAMP_DTYPE, _MAP_DTYPE, *tail,
-                                                     out=union_slots[piece])
+            result = self._resolve(union[piece], counts[piece], gpu, host, table, lease, step, group,
+                                   out=union_slots[piece])
             copied.append(result.num_copied)
         union, union_slots = union.view(-1), union_slots.view(-1)
         at = torch.searchsorted(union, positions.to(torch.int32).contiguous()).clamp(max=union.numel() - 1)
@@ -249,7 +242,7 @@ class RankResidency:
         page = torch.where(valid, positions, 0).long() // PAGE_SIZE
         host_only = valid & (gpu.repeat_interleave(m, dim=0).gather(1, page) < 0)
         if m == 1:  # a lease holds at least K slots, so one row's selection always finds them: nothing unresolved
-            result = self._resolve_leases(decode, group, positions.to(torch.int32), lens.to(torch.int32))
+            result = self._resolve_decode(decode, group, positions.to(torch.int32), lens.to(torch.int32))
             self._count(group, host_only.sum(), result.num_copied.sum())
             return result.kv_slots.long().clamp(min=0)
         width = positions.shape[1]
@@ -264,21 +257,30 @@ class RankResidency:
         copied = torch.zeros((), dtype=torch.long, device=gpu.device)
         for begin in range(0, m * width, width):
             piece = union[:, begin : begin + width].contiguous()
-            result = self._resolve_leases(decode, group, piece, (count - begin).clamp(0, width))
+            result = self._resolve_decode(decode, group, piece, (count - begin).clamp(0, width))
             union_slots[:, begin : begin + width] = result.kv_slots.long()
             copied += result.num_copied.sum()
         at = torch.searchsorted(union, per_lease.contiguous()).clamp(max=m * width - 1)
         self._count(group, host_only.sum(), copied, ((union < far) & (union_slots < 0)).sum())
         return union_slots.gather(1, at).view(-1, width).clamp(min=0)
 
-    def _resolve_leases(self, decode: DecodeLeases, group: int, positions: torch.Tensor, lens: torch.Tensor
+    def _resolve_decode(self, decode: DecodeLeases, group: int, positions: torch.Tensor, lens: torch.Tensor
                         ) -> resolve.ResolveResult:
         """One resolve of positions [D, K] (int32, unique within a row), one row per lease of `decode`."""
-        args = (positions, lens, decode.gpu_pages, decode.host_pages)
-        tail = (decode.step, self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host)
+        return self._resolve(positions, lens, decode.gpu_pages, decode.host_pages, decode.lease_table[group],
+                             decode.leases[group], decode.step, group)
+
+    def _resolve(self, positions: torch.Tensor, lens: torch.Tensor, gpu_pages: torch.Tensor,
+                 host_pages: torch.Tensor, table: torch.Tensor, leases: Sequence[LeaseState | None],
+                 step: int | torch.Tensor, group: int, out: torch.Tensor | None = None) -> resolve.ResolveResult:
+        """One resolve of positions [D, K] for the group, one row per lease: on the GPU the kernels, which
+        read the tables by address from `table` [D, LEASE_WIDTH] on the device; elsewhere the PyTorch twin,
+        which reads `leases`."""
+        tail = (step, self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host)
         if self.pool.is_cuda:
-            return resolve.resolve_lease_table(*args, decode.lease_table[group], _STAMP_DTYPE, _MAP_DTYPE, *tail)
-        return resolve.resolve_leases_reference(*args, decode.leases[group], *tail)
+            return resolve.resolve_lease_table(positions, lens, gpu_pages, host_pages, table, _STAMP_DTYPE,
+                                               _MAP_DTYPE, *tail, out=out)
+        return resolve.resolve_leases_reference(positions, lens, gpu_pages, host_pages, leases, *tail, out=out)
 
     def _count(self, group: int, lookups: torch.Tensor, misses: torch.Tensor,
                unresolved: torch.Tensor | None = None) -> None:
