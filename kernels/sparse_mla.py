@@ -37,7 +37,6 @@ from kernels import fp8_rows, pdl, sparse_mla_cuda
 
 
 KV_FORMATS = ("fp8", "bf16", "float32")
-CUDA_MIN_ROWS = 8  # below, the CUDA kernel's one tile a warp loses to the Triton kernel's 64-row tiles
 _LOG2E = 1.4426950408889634
 
 
@@ -58,12 +57,12 @@ class SparseMLAConfig:
 
     @classmethod
     def for_problem(cls, num_heads: int, kv_format: str, num_rows: int = 1) -> "SparseMLAConfig":
-        """The measured defaults on an H200 (bench/RESULTS.md): from CUDA_MIN_ROWS query rows, FP8 rows at up
-        to 8 heads take the CUDA kernel (B = 8 / 32 / 64 / 128: 17.4 / 30.6 / 45.7 / 67.9 us against the Triton
-        kernel's 18.3 / 56.6 / 101.2 / 211.0, fifteenth session); the Triton tiles stay for the rest and for
-        machines where the CUDA kernel cannot be built."""
+        """The measured defaults on an H200 (bench/RESULTS.md): FP8 rows at up to 8 heads take the CUDA kernel
+        at every batch (B = 1 / 8 / 32 / 64 / 128: 9.4 / 12.7 / 22.9 / 36.4 / 60.5 us against the Triton
+        kernel's 11.5 / 18.3 / 56.6 / 101.2 / 211.0, eighteenth session); the Triton tiles stay for the rest
+        and for machines where the CUDA kernel cannot be built."""
         tiles = cls._triton_tiles(num_heads, kv_format, num_rows)
-        if kv_format == "fp8" and num_heads <= sparse_mla_cuda.MAX_HEADS and num_rows >= CUDA_MIN_ROWS:
+        if kv_format == "fp8" and num_heads <= sparse_mla_cuda.MAX_HEADS:
             return replace(tiles, cuda=True)
         return tiles
 

@@ -16,31 +16,38 @@ import triton
 from kernels.cubin import CudaKernel
 
 LATENT_DIM, ROPE_DIM, MAX_HEADS = 512, 64, 8
-TILE = 16  # rows a warp tile, as in the .cu
+TILE = 16  # rows a tile, as in the .cu
 ROW_BYTES = LATENT_DIM + 4 * (LATENT_DIM // 128) + 2 * ROPE_DIM
 _SOURCE = Path(__file__).with_name("sparse_mla_fp8.cu")
 
 
 @dataclass(frozen=True)
 class Variant:
-    """The .cu's compile-time shape: warps a CTA, tiles in flight a warp, CTAs an SM (the launch bound).
-    Measured on an H200 (bench/NOTES.md, fifteenth session): eight warps in one CTA an SM beat four in two
-    (45.7 against 49.5 us at B = 64), and both beat four or more stages with fewer warps; the shared
-    memory (two 10.5 KB stages a warp) allows no more, and a ring of 16-20 stages shared by the warps was
-    no faster."""
+    """The .cu's compile-time shape: warps a CTA (in pairs that share a tile), tiles of a pair in flight or
+    in use, CTAs an SM (the launch bound). Measured on an H200 (bench/NOTES.md, eighteenth session): pairs
+    of warps (64 accumulators a thread) beat the former single warps a tile (128) by 20-38 %; 8 warps are
+    the best or within 1 % from 1 to 64 rows (12 are 4 % faster at 128), and more stages a pair, or two to
+    four CTAs an SM, did not pay."""
 
     warps: int = 8
     stages: int = 2
     ctas_per_sm: int = 1
 
     @property
+    def pairs(self) -> int:
+        return self.warps // 2
+
+    @property
     def rows_per_step(self) -> int:
-        """A split is a whole number of these: one tile for each warp."""
-        return self.warps * TILE
+        """A split is a whole number of these: one tile for each pair."""
+        return self.pairs * TILE
 
     @property
     def shared_bytes(self) -> int:
-        return MAX_HEADS * (LATENT_DIM + 16) * 2 + self.warps * self.stages * (TILE * ROW_BYTES + 8)
+        query = MAX_HEADS * (LATENT_DIM + 16) * 2
+        partial_scores = self.pairs * 2 * 2 * 32 * 16  # [pair, tile parity, warp, lane] float4
+        stages = self.pairs * self.stages * (TILE * ROW_BYTES + 8 + 4)  # rows, mbarrier, done counter
+        return query + partial_scores + stages
 
     @property
     def defines(self) -> tuple[tuple[str, int], ...]:
@@ -67,18 +74,22 @@ class _Params(ctypes.Structure):
         ("slots_stride_n", ctypes.c_longlong),
         ("out_stride_n", ctypes.c_longlong), ("out_stride_h", ctypes.c_longlong),
         ("num_heads", ctypes.c_int), ("num_splits", ctypes.c_int), ("split_len", ctypes.c_int),
-        ("page_size", ctypes.c_int), ("out_bf16", ctypes.c_int), ("scale_log2", ctypes.c_float),
+        ("page_shift", ctypes.c_int), ("out_bf16", ctypes.c_int), ("scale_log2", ctypes.c_float),
     ]
 
 
 def supports(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, kv_format: str, latent_dim: int,
              rope_dim: int) -> bool:
-    """Whether the CUDA kernel can run this call: shapes, dtypes, 16-byte aligned rows, a capable GPU."""
+    """Whether the CUDA kernel can run this call: shapes, dtypes, 16-byte aligned rows, pages of a power of
+    two rows, queries read four values (8 bytes) and outputs written four at a time, a capable GPU."""
+    page = kv.shape[1]
     return (
         kv_format == "fp8" and latent_dim == LATENT_DIM and rope_dim == ROPE_DIM and q.is_cuda
         and q.shape[1] <= MAX_HEADS and q.dtype == torch.bfloat16 and out.dtype in (torch.bfloat16, torch.float32)
-        and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0 and q.data_ptr() % 4 == 0
+        and q.stride(0) % 4 == 0 and q.stride(1) % 4 == 0 and q.data_ptr() % 8 == 0
+        and out.stride(0) % 4 == 0 and out.stride(1) % 4 == 0 and out.data_ptr() % 16 == 0
         and kv.data_ptr() % 16 == 0 and kv.stride(0) % 16 == 0 and kv.stride(1) % 16 == 0
+        and page > 0 and page & (page - 1) == 0
         and available(q.device)
     )
 
@@ -105,6 +116,6 @@ def launch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lens: torch.T
         q.data_ptr(), kv.data_ptr(), slots.data_ptr(), lens.data_ptr(), out.data_ptr(),
         part.data_ptr() if part is not None else 0, lse.data_ptr() if lse is not None else 0,
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), slots.stride(0), out.stride(0), out.stride(1),
-        heads, splits, split_len, kv.shape[1], int(out.dtype == torch.bfloat16), scale_log2,
+        heads, splits, split_len, kv.shape[1].bit_length() - 1, int(out.dtype == torch.bfloat16), scale_log2,
     )
     _KERNEL.launch(q.device, (splits, n, 1), DEFAULT.warps * 32, params)

@@ -45,6 +45,7 @@ def test_cuda_kernel_matches_twin(heads: int, num_splits: int | None) -> None:
 def test_cuda_kernel_bf16_output_and_graph_replay() -> None:
     """bf16 output equals the float32 output rounded; a captured launch replays new slots right."""
     from bench.gpu_check_attention import DL, DR, NUM_PAGES, glm_layout
+    from kernels import sparse_mla_cuda
     from kernels.sparse_mla import sparse_mla, sparse_mla_ref
 
     assert _cuda_kernel_builds()
@@ -60,6 +61,8 @@ def test_cuda_kernel_bf16_output_and_graph_replay() -> None:
     slots = torch.randint(0, num, (n, TOPK), dtype=torch.int32, device="cuda", generator=gen)
     lens = torch.randint(1, TOPK + 1, (n,), dtype=torch.int32, device="cuda", generator=gen)
     kw = dict(kv_format="fp8", latent_dim=DL, rope_dim=DR, scale=0.05, config=SparseMLAConfig(cuda=True))
+    probe = torch.empty(n, 8, DL, device="cuda")
+    assert sparse_mla_cuda.supports(q, view, probe, "fp8", DL, DR)  # else the Triton kernel would be tested here
     full = sparse_mla(q, view, slots, lens, **kw, out_dtype=torch.float32)
     half = sparse_mla(q, view, slots, lens, **kw, out_dtype=torch.bfloat16)
     assert torch.equal(half, full.to(torch.bfloat16))
