@@ -10,7 +10,9 @@ runs under CUDA graphs too), achieved GB/s
 (bytes of selected MLA rows, or of indexer rows scored), the share of the HBM
 copy bandwidth measured in the same run (device-to-device copy, bytes read plus
 written), and the speed-up over the PyTorch twin (triton.testing.do_bench, L2 flushed) where
-the twin fits in memory; for the indexer also scoring plus the top-K kernel (`kernels.topk`), and at
+the twin fits in memory; for sparse MLA also the same rows gathered alone (`bench/row_gather.cu`, built
+with nvcc where there is one): the ceiling of this access pattern, random rows of 656 or 1,152 bytes; for
+the indexer also scoring plus the top-K kernel (`kernels.topk`), and at
 B <= 8 the same with programmatic dependent launch, as the engine's decode graphs of so few rows launch it.
 A few tile configurations are tried at B=64 and the best is used for all B; the
 defaults (`SparseMLAConfig.for_problem`, chosen by the number of rows) are timed beside it.
@@ -21,6 +23,7 @@ Prints a table last and writes it, with the full log, under $OUT (or bench/out).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import sys
@@ -36,6 +39,7 @@ from bench.timing import OUT_DIR, bench, bench_graph, hbm_copy_gbs, pick, run_lo
 from engine.kv_layout import KVLayout  # noqa: E402
 from engine.rank.decode_graphs import PDL_MAX_ROWS  # noqa: E402
 from kernels import pdl  # noqa: E402
+from kernels.cubin import CudaKernel  # noqa: E402
 from kernels.indexer import IndexerConfig, indexer_scores, indexer_scores_ref, indexer_topk  # noqa: E402
 from kernels.sparse_mla import SparseMLAConfig, sparse_mla, sparse_mla_ref  # noqa: E402
 
@@ -63,6 +67,42 @@ INDEXER_CONFIGS = [IndexerConfig(block_t=64), IndexerConfig(block_t=128, num_sta
 ROTATE_BYTES = 256 << 20  # inputs rotated per timed graph so repeated calls do not hit L2 (60 MB)
 
 log = run_log("kernels_attention")
+
+_GATHER_SOURCE = Path(__file__).with_name("row_gather.cu")
+_GATHER_WARPS, _GATHER_TILE = 8, 16  # as in the .cu
+_gather_kernels: dict[int, CudaKernel] = {}
+
+
+class _GatherParams(ctypes.Structure):
+    """`RowGatherParams` of bench/row_gather.cu, field for field."""
+
+    _fields_ = [("kv", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("lens", ctypes.c_void_p),
+                ("kv_stride_page", ctypes.c_longlong), ("kv_stride_tok", ctypes.c_longlong),
+                ("slots_stride_n", ctypes.c_longlong), ("split_len", ctypes.c_int), ("page_size", ctypes.c_int)]
+
+
+def gather_ceiling_ms(view: torch.Tensor, slots: list[torch.Tensor], lens: torch.Tensor) -> float | None:
+    """Milliseconds a call of bench/row_gather.cu takes to gather the rows `slots` select (one CTA per split of
+    K and query row, splits filling the SMs once, as the sparse MLA kernel's), or None without nvcc."""
+    row_bytes = view.shape[2]
+    stages = 2 if row_bytes <= 704 else 1
+    shared = _GATHER_WARPS * stages * (_GATHER_TILE * row_bytes + 8)
+    kernel = _gather_kernels.setdefault(
+        row_bytes, CudaKernel(_GATHER_SOURCE, "row_gather", shared, (("ROW_BYTES", row_bytes),)))
+    if not kernel.available(view.device):
+        return None
+    n, k = slots[0].shape
+    step = _GATHER_WARPS * _GATHER_TILE
+    splits = max(1, min(torch.cuda.get_device_properties(view.device).multi_processor_count // n, triton.cdiv(k, step)))
+    split_len = triton.cdiv(triton.cdiv(k, splits), step) * step
+    splits = triton.cdiv(k, split_len)
+
+    def call(s: torch.Tensor) -> None:
+        params = _GatherParams(view.data_ptr(), s.data_ptr(), lens.data_ptr(), view.stride(0), view.stride(1),
+                               s.stride(0), split_len, view.shape[1])
+        kernel.launch(view.device, (splits, n, 1), _GATHER_WARPS * 32, params)
+
+    return bench_graph([lambda s=s: call(s) for s in slots])
 
 
 def num_rotations(nbytes: int) -> int:
@@ -155,12 +195,15 @@ def run_mla_format(kv_format: str, hbm: float, rows_out: list) -> None:
             ms = bench_graph(calls(best))
             default_ms = bench_graph(calls(None))
             twin_ms = bench(lambda: sparse_mla_ref(q, view, slots[0], lens, **kw), rep=30)
+            ceiling_ms = gather_ceiling_ms(view, slots, lens)
             gbs = nbytes / ms / 1e6
             rows_out.append(dict(kernel="sparse_mla", fmt=kv_format, heads=heads, B=b, ctx=f"K={TOPK}",
                                  MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin_ms / ms,
                                  cfg=_cfg_name(best), default_us=default_ms * 1e3,
                                  default_hbm=nbytes / default_ms / 1e6 / hbm,
-                                 default_cfg=_cfg_name(SparseMLAConfig.for_problem(heads, kv_format, b))))
+                                 default_cfg=_cfg_name(SparseMLAConfig.for_problem(heads, kv_format, b)),
+                                 ceiling_us=None if ceiling_ms is None else ceiling_ms * 1e3,
+                                 ceiling_hbm=None if ceiling_ms is None else nbytes / ceiling_ms / 1e6 / hbm))
             log(fmt_row(_cells(rows_out[-1])))
 
 
@@ -223,7 +266,8 @@ def run_indexer_format(kv_format: str, hbm: float, rows_out: list) -> bool:
 
 
 HEADER = ["kernel", "rows", "heads", "B", "K / ctx", "MB read", "time us", "GB/s", "of HBM copy",
-          "x twin", "tiles", "+topk us", "+topk us, PDL", "defaults us (of HBM copy)"]
+          "x twin", "tiles", "+topk us", "+topk us, PDL", "defaults us (of HBM copy)",
+          "rows gathered alone us (of HBM copy)", "defaults of gathers alone"]
 
 
 def _cells(r: dict) -> list:
@@ -233,8 +277,12 @@ def _cells(r: dict) -> list:
     default = "-"
     if "default_us" in r:
         default = f"{r['default_us']:.1f} ({100 * r['default_hbm']:.0f}%, {r['default_cfg']})"
+    ceiling = share = "-"
+    if r.get("ceiling_us") is not None:
+        ceiling = f"{r['ceiling_us']:.1f} ({100 * r['ceiling_hbm']:.0f}%)"
+        share = f"{100 * r['ceiling_us'] / r['default_us']:.0f}%"
     return [r["kernel"], r["fmt"], r["heads"], r["B"], r["ctx"], f"{r['MB']:.1f}", f"{r['us']:.1f}",
-            f"{r['gbs']:.0f}", f"{100 * r['hbm']:.0f}%", twin, r["cfg"], topk, topk_pdl, default]
+            f"{r['gbs']:.0f}", f"{100 * r['hbm']:.0f}%", twin, r["cfg"], topk, topk_pdl, default, ceiling, share]
 
 
 def main() -> int:
