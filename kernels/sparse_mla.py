@@ -58,7 +58,7 @@ class SparseMLAConfig:
     @classmethod
     def for_problem(cls, num_heads: int, kv_format: str, num_rows: int = 1) -> "SparseMLAConfig":
         """The measured defaults on an H200 (bench/RESULTS.md): FP8 rows at up to 8 heads take the CUDA kernel
-        at every batch (B = 1 / 8 / 32 / 64 / 128: 9.4 / 12.7 / 22.9 / 36.4 / 60.5 us against the Triton
+        at every batch (B = 1 / 8 / 32 / 64 / 128: 9.5 / 12.7 / 22.9 / 37.1 / 60.8 us against the Triton
         kernel's 11.5 / 18.3 / 56.6 / 101.2 / 211.0, eighteenth session); the Triton tiles stay for the rest
         and for machines where the CUDA kernel cannot be built."""
         tiles = cls._triton_tiles(num_heads, kv_format, num_rows)

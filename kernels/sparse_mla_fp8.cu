@@ -207,7 +207,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, SMLA_CTAS_PER_SM) spars
   const int n = blockIdx.y;
   const int warp = threadIdx.x >> 5;
   const int pair = warp >> 1;
-  const int half = warp & 1;  // scores over blocks 2 half, 2 half + 1 (and the rope for half 1); columns
+  const int half = warp & 1;  // scores over blocks 2 half, 2 half + 1 and half the rope; their columns
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;  // the MMA's group: a row (scores) or a head (B operands)
   const int q4 = lane & 3;  // the thread in its group
