@@ -284,6 +284,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, SMLA_CTAS_PER_SM) spars
   }
   __syncthreads();
 
+  // ldmatrix row addresses of this lane. Plain: matrices (rows 0-7, chunk c), (rows 8-15, c), (0-7, c+1),
+  // (8-15, c+1). Transposed: (rows 0-7, bytes b..b+15), (0-7, b+16..), (8-15, b..), (8-15, b+16..).
   const uint32_t a_off = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ROW + 16 * (lane >> 4);
   const uint32_t v_off = ((lane & 7) + 8 * (lane >> 4)) * ROW + 16 * ((lane >> 3) & 1);
   const uint32_t q_addr = smem_addr(qs + g * Q_STRIDE + 4 * q4);
