@@ -1,7 +1,8 @@
 """The CUDA C kernels build where nvcc is (this machine needs no GPU for that): the sparse MLA kernel compiles
 for sm_90 in every variant the launcher can ask for, without spilling registers (a spill would put the
 kernel's accumulators in local memory), its cubin is reused from the cache, and without a GPU the kernel
-says it is unavailable so the Triton kernel runs."""
+says it is unavailable so the Triton kernel runs. The benchmark's ceiling for it (the same rows gathered
+alone, bench/row_gather.cu) builds for both row formats."""
 
 from __future__ import annotations
 
@@ -33,6 +34,14 @@ def test_sparse_mla_kernel_builds_without_spills(variant: Variant, tmp_path: Pat
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
     assert spills and not any(spills), report
     assert out.read_bytes()[:4] == b"\x7fELF"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("row_bytes", [656, 1152], ids=["fp8-rows", "bf16-rows"])
+def test_the_benchmarks_row_gather_builds(row_bytes: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HISPARSE_CACHE", str(tmp_path))
+    source = Path(__file__).resolve().parents[1] / "bench" / "row_gather.cu"
+    assert cubin.compile_cubin(source, "sm_90", NVCC, (("ROW_BYTES", row_bytes),))[:4] == b"\x7fELF"
 
 
 @needs_nvcc
