@@ -51,7 +51,9 @@ class Variant:
 
     @property
     def defines(self) -> tuple[tuple[str, int], ...]:
-        return (("SMLA_WARPS", self.warps), ("SMLA_STAGES", self.stages), ("SMLA_CTAS_PER_SM", self.ctas_per_sm))
+        """The .cu's macros; the shared memory too, which the .cu checks against its layout at build time."""
+        return (("SMLA_WARPS", self.warps), ("SMLA_STAGES", self.stages), ("SMLA_CTAS_PER_SM", self.ctas_per_sm),
+                ("SMLA_SHARED_BYTES", self.shared_bytes))
 
 
 DEFAULT = Variant()

@@ -75,6 +75,10 @@ constexpr float TAU = 8.0f;
 static_assert(WARPS % 2 == 0, "warps come in pairs");
 static_assert(ROW % 16 == 0 && Q_BYTES % 16 == 0, "bulk copies need 16-byte aligned rows");
 static_assert((PAIRS * HEADS * (DL + 2) + HEADS) * 4 <= RING_BYTES, "the merge reuses the ring");
+#ifdef SMLA_SHARED_BYTES  // the dynamic shared memory the launcher allocates (kernels/sparse_mla_cuda.py)
+static_assert(SMLA_SHARED_BYTES == Q_BYTES + X_BYTES + RING_BYTES + PAIRS * STAGES * (8 + 4),
+              "the launcher's shared memory must be the kernel's layout: query, partial scores, stages, barriers");
+#endif
 
 }  // namespace
 
