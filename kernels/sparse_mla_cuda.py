@@ -25,9 +25,9 @@ _SOURCE = Path(__file__).with_name("sparse_mla_fp8.cu")
 class Variant:
     """The .cu's compile-time shape: warps a CTA (in pairs that share a tile), tiles of a pair in flight or
     in use, CTAs an SM (the launch bound). Measured on an H200 (bench/NOTES.md, eighteenth session): pairs
-    of warps (64 accumulators a thread) beat the former single warps a tile (128) by 20-38 %; 8 warps are
-    the best or within 1 % from 1 to 64 rows (12 are 4 % faster at 128), and more stages a pair, or two to
-    four CTAs an SM, did not pay."""
+    of warps (64 accumulators a thread) beat the former single warps a tile (128) by 12-37 % at 8-128 rows;
+    8 warps are the best or within 1 % from 1 to 64 rows (12 are 4 % faster at 128), and more stages a
+    pair, or two to four CTAs an SM, did not pay."""
 
     warps: int = 8
     stages: int = 2
