@@ -38,7 +38,7 @@ import triton  # noqa: E402
 from bench.timing import OUT_DIR, bench, bench_graph, hbm_copy_gbs, pick, run_log  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
 from engine.rank.decode_graphs import PDL_MAX_ROWS  # noqa: E402
-from kernels import pdl  # noqa: E402
+from kernels import pdl, sparse_mla_cuda  # noqa: E402
 from kernels.cubin import CudaKernel  # noqa: E402
 from kernels.indexer import IndexerConfig, indexer_scores, indexer_scores_ref, indexer_topk  # noqa: E402
 from kernels.sparse_mla import SparseMLAConfig, sparse_mla, sparse_mla_ref  # noqa: E402
@@ -69,7 +69,7 @@ ROTATE_BYTES = 256 << 20  # inputs rotated per timed graph so repeated calls do 
 log = run_log("kernels_attention")
 
 _GATHER_SOURCE = Path(__file__).with_name("row_gather.cu")
-_GATHER_WARPS, _GATHER_TILE = 8, 16  # as in the .cu
+_GATHER_WARPS, _GATHER_TILE = 8, 16  # the .cu's warps (a macro) and rows a tile
 _gather_kernels: dict[int, CudaKernel] = {}
 
 
@@ -85,17 +85,14 @@ def gather_ceiling_ms(view: torch.Tensor, slots: list[torch.Tensor], lens: torch
     """Milliseconds a call of bench/row_gather.cu takes to gather the rows `slots` select (one CTA per split of
     K and query row, splits filling the SMs once, as the sparse MLA kernel's), or None without nvcc."""
     row_bytes = view.shape[2]
-    stages = 2 if row_bytes <= 704 else 1
+    stages = 2 if row_bytes <= 704 else 1  # two stages of FP8 rows fit the shared memory, one of bf16 rows
     shared = _GATHER_WARPS * stages * (_GATHER_TILE * row_bytes + 8)
-    kernel = _gather_kernels.setdefault(
-        row_bytes, CudaKernel(_GATHER_SOURCE, "row_gather", shared, (("ROW_BYTES", row_bytes),)))
+    defines = (("ROW_BYTES", row_bytes), ("GATHER_WARPS", _GATHER_WARPS), ("GATHER_STAGES", stages))
+    kernel = _gather_kernels.setdefault(row_bytes, CudaKernel(_GATHER_SOURCE, "row_gather", shared, defines))
     if not kernel.available(view.device):
         return None
     n, k = slots[0].shape
-    step = _GATHER_WARPS * _GATHER_TILE
-    splits = max(1, min(torch.cuda.get_device_properties(view.device).multi_processor_count // n, triton.cdiv(k, step)))
-    split_len = triton.cdiv(triton.cdiv(k, splits), step) * step
-    splits = triton.cdiv(k, split_len)
+    splits, split_len = sparse_mla_cuda.num_splits(n, k, 1.0, view.device, step=_GATHER_WARPS * _GATHER_TILE)
 
     def call(s: torch.Tensor) -> None:
         params = _GatherParams(view.data_ptr(), s.data_ptr(), lens.data_ptr(), view.stride(0), view.stride(1),

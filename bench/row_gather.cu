@@ -1,14 +1,15 @@
 // The gathers of the sparse MLA decode alone, as the ceiling its benchmark measures against: random rows of
 // ROW_BYTES (656 for FP8 rows, 1152 for bf16) gathered by one bulk copy a row into shared memory, 16 rows a
-// tile, WARPS warps each keeping STAGES tiles in flight, nothing computed. The same grid as the kernel (a CTA
+// tile, WARPS warps each keeping STAGES tiles in flight, nothing computed (the three macros set by
+// bench/kernels_attention.py, which sizes the shared memory from them). The same grid as the kernel (a CTA
 // per split of K and query row). Measured on an H200 with FP8 rows (bench/NOTES.md, eighteenth session): 16
 // warps of one stage, 8 of two and 5 of two are within 3 % of each other; bf16 rows fit one stage.
 #include <stdint.h>
 
 namespace {
 constexpr int TILE = 16;
-constexpr int WARPS = 8;
-constexpr int STAGES = ROW_BYTES <= 704 ? 2 : 1;
+constexpr int WARPS = GATHER_WARPS;
+constexpr int STAGES = GATHER_STAGES;
 constexpr int STAGE_BYTES = TILE * ROW_BYTES;
 static_assert(ROW_BYTES % 16 == 0, "bulk copies need 16-byte aligned rows");
 

@@ -97,10 +97,9 @@ def supports(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, kv_format: st
 
 
 def num_splits(num_rows: int, k: int, waves: float, device: torch.device,
-               splits: int | None = None) -> tuple[int, int]:
-    """(splits, rows a split) in whole steps of rows: `splits` if given, else about `waves` x the CTAs the
-    GPU holds at once."""
-    step = DEFAULT.rows_per_step
+               splits: int | None = None, step: int = DEFAULT.rows_per_step) -> tuple[int, int]:
+    """(splits, rows a split) in whole steps of `step` rows: `splits` if given, else about `waves` x the CTAs
+    the GPU holds at once."""
     if splits is None:
         slots = DEFAULT.ctas_per_sm * torch.cuda.get_device_properties(device).multi_processor_count
         splits = max(1, min(int(waves * slots) // max(num_rows, 1), triton.cdiv(k, step)))
