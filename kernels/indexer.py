@@ -330,7 +330,20 @@ def indexer_scores(
     kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Triton scores [N, max(max_ctx, topk)] float32 (-inf where not visible), optionally into `out`."""
+    """Triton scores [N, max(max_ctx, topk)] float32 (-inf where not visible), optionally into `out`; rows of
+    a new tensor start 16-byte aligned (its row stride a multiple of four)."""
+    return _scores(q, weights, kv, page_table, row_to_req, ctx_lens, limits, kv_format=kv_format, scale=scale,
+                   topk=topk, max_ctx=max_ctx, config=config, out=out)[0]
+
+
+def _scores(
+    q: torch.Tensor, weights: torch.Tensor, kv: IndexerKeys, page_table: torch.Tensor,
+    row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
+    kv_format: str, scale: float, topk: int, max_ctx: int | None, config: IndexerConfig | None,
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`indexer_scores` and each row's visible length, which `indexer_topk` reuses for its counts (made once:
+    in a CUDA graph each small PyTorch op is a launch of its own)."""
     if not isinstance(kv, IndexerKeys):
         raise ValueError(f"kv must be IndexerKeys (values and scales views), got {type(kv).__name__}")
     cfg = config or IndexerConfig.for_problem(kv_format, kv.tokens_per_page)
@@ -338,15 +351,15 @@ def indexer_scores(
     n, hi, di = q.shape
     max_ctx = page_table.shape[1] * kv.tokens_per_page if max_ctx is None else max_ctx
     width = max(max_ctx, topk)
-    if out is None:
-        scores = torch.empty((n, width), dtype=torch.float32, device=q.device)
+    if out is None:  # rows start 16-byte aligned, so the top-K's CUDA select loads them as vectors
+        scores = torch.empty((n, triton.cdiv(width, 4) * 4), dtype=torch.float32, device=q.device)[:, :width]
     elif out.shape != (n, width) or out.dtype != torch.float32 or out.stride(1) != 1 or out.device != q.device:
         raise ValueError(f"out must be float32 [N, {width}] with unit last stride on q's device")
     else:
         scores = out
-    if n == 0:
-        return scores
     visible = _visible(ctx_lens, limits, max_ctx)
+    if n == 0:
+        return scores, visible
     tiles = _tiles(cfg, n, width, q.device)
     grid = (triton.cdiv(width, cfg.block_t * tiles), n)
     values, scales = kv.values, kv.values if kv.scales is None else kv.scales
@@ -361,7 +374,7 @@ def indexer_scores(
         num_stages=cfg.num_stages,
         **pdl.launch_options(q.device)
     )
-    return scores
+    return scores, visible
 
 
 def indexer_topk(
@@ -370,7 +383,6 @@ def indexer_topk(
     kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
 ) -> IndexerTopK:
     """Triton scoring then the top-K kernel: q [N, Hi, Di], weights [N, Hi] -> IndexerTopK."""
-    scores = indexer_scores(q, weights, kv, page_table, row_to_req, ctx_lens, limits,
-                            kv_format=kv_format, scale=scale, topk=topk, max_ctx=max_ctx, config=config)
-    max_ctx = page_table.shape[1] * kv.tokens_per_page if max_ctx is None else max_ctx
-    return _select(scores, _visible(ctx_lens, limits, max_ctx), topk, kernel=True)
+    scores, visible = _scores(q, weights, kv, page_table, row_to_req, ctx_lens, limits, kv_format=kv_format,
+                              scale=scale, topk=topk, max_ctx=max_ctx, config=config, out=None)
+    return _select(scores, visible, topk, kernel=True)

@@ -1,7 +1,8 @@
 """The CUDA C kernels build where nvcc is (this machine needs no GPU for that): the sparse MLA kernel compiles
 for sm_90 in every variant the launcher can ask for, without spilling registers (a spill would put the
 kernel's accumulators in local memory), its cubin is reused from the cache, and without a GPU the kernel
-says it is unavailable so the Triton kernel runs. The benchmark's ceiling for it (the same rows gathered
+says it is unavailable so the Triton kernel runs. The cluster top-K builds the same way in each variant the
+benchmark times, and without a GPU leaves rows to the Triton select. The benchmark's ceiling for it (the same rows gathered
 alone, bench/row_gather.cu) builds for both row formats."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cubin, sparse_mla_cuda
+from kernels import cubin, sparse_mla_cuda, topk_cuda
 from kernels.sparse_mla_cuda import Variant
 
 NVCC = cubin.find_nvcc()
@@ -81,3 +82,20 @@ def test_without_a_gpu_the_kernel_is_unavailable() -> None:
     kv = torch.zeros(4, 64, 656, dtype=torch.uint8)
     out = torch.zeros(2, 8, 512, dtype=torch.bfloat16)
     assert not sparse_mla_cuda.supports(q, kv, out, "fp8", 512, 64)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant", [topk_cuda.DEFAULT, topk_cuda.Variant(256, 8), topk_cuda.Variant(1024, 2)],
+                         ids=lambda v: f"{v.threads}x{v.cluster}")
+def test_the_cluster_topk_builds_without_spills(variant: topk_cuda.Variant, tmp_path: Path) -> None:
+    source = Path(topk_cuda.__file__).with_name("topk_cluster.cu")
+    done = subprocess.run([NVCC, *cubin.nvcc_flags("sm_90", variant.defines), "-Xptxas", "-v", "-o",
+                           str(tmp_path / "k.cubin"), str(source)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", done.stderr)]
+    assert "topk_cluster" in done.stderr and spills and not any(spills), done.stderr
+
+
+def test_without_a_gpu_rows_take_the_triton_select() -> None:
+    scores = torch.zeros(2, 20000)
+    assert not topk_cuda.supports(scores, torch.zeros(2, 16, dtype=torch.int64))

@@ -186,6 +186,10 @@ def test_indexer_short_context_and_small_scores_buffer():
     assert torch.equal(got.positions[0, :tokens].sort().values, torch.arange(tokens, dtype=torch.int32))
     scores = indexer_scores(q, w, view, table, r2r, ctx, lim, **kw)
     assert_close(scores, indexer_scores_ref(q, w, view, table, r2r, ctx, lim, **kw), 1e-4)
+    odd = dict(kw, topk=tokens + 1)  # a width of no multiple of four still gets 16-byte aligned rows
+    scores = indexer_scores(q, w, view, table, r2r, ctx, lim, **odd)
+    assert scores.shape[1] == tokens + 1 and scores.stride(0) % 4 == 0
+    assert_close(scores, indexer_scores_ref(q, w, view, table, r2r, ctx, lim, **odd), 1e-4)
 
 
 def test_indexer_rejects_bad_inputs():
