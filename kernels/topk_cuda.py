@@ -1,7 +1,8 @@
 """Launcher of the cluster top-K (`topk_cluster.cu`): one thread-block cluster a row of float32 scores, one
 launch for the batch, on a GPU of compute capability 9.0 with nvcc at hand. `kernels.topk.topk_positions`
-takes it for rows wider than its one-program kernel when `supports` holds; elsewhere the Triton radix
-select runs. Same contract, same positions (kernels/topk.py's docstring)."""
+takes it at every width when `supports` holds; elsewhere its Triton kernels run. Same contract, same
+positions (kernels/topk.py's docstring). Each cluster size is its own build (a compile-time attribute),
+made at its first use and cached like the other cubins."""
 
 from __future__ import annotations
 
