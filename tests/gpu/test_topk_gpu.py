@@ -46,7 +46,7 @@ def test_topk_in_a_cuda_graph(width):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         topk_positions(scores, 2048, out=out)
-    for seed in (2, 3):  # twice: the radix select's per-row counters re-arm themselves
+    for seed in (2, 3):  # twice: a replay leaves nothing behind that the next one reads
         scores.copy_(indexer_like(4, width, seed=seed))
         graph.replay()
         torch.cuda.synchronize()
