@@ -43,8 +43,17 @@ def _cuda() -> ctypes.CDLL:
         lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
         lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
         lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        lib.cuOccupancyMaxActiveClusters.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_void_p,
+                                                     ctypes.POINTER(_LaunchConfig)]
         _driver = lib
     return _driver
+
+
+class _LaunchConfig(ctypes.Structure):
+    """The driver's `CUlaunchConfig`, field for field (no launch attributes)."""
+
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
 
 
 def _check(result: int, call: str) -> None:
@@ -165,6 +174,18 @@ class CudaKernel:
         _check(_cuda().cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
         if current.value != ctx.value:
             _check(_cuda().cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def max_active_clusters(self, device: torch.device, cluster: int, threads: int) -> int:
+        """How many clusters of `cluster` CTAs of `threads` threads the GPU runs at once (the driver's count:
+        a cluster's CTAs share a GPC, so it is not the SMs over the cluster size). Call `available` first."""
+        index = _index(device)
+        self._make_current(index)
+        config = _LaunchConfig((ctypes.c_uint * 3)(cluster, 1, 1), (ctypes.c_uint * 3)(threads, 1, 1),
+                               self.shared_bytes, None, None, 0)
+        count = ctypes.c_int()
+        _check(_cuda().cuOccupancyMaxActiveClusters(ctypes.byref(count), self._functions[index],
+                                                    ctypes.byref(config)), "cuOccupancyMaxActiveClusters")
+        return count.value
 
     def launch(self, device: torch.device, grid: tuple[int, int, int], threads: int,
                params: ctypes.Structure) -> None:

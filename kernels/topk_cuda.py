@@ -7,6 +7,7 @@ made at its first use and cached like the other cubins."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,23 +21,27 @@ _SOURCE = Path(__file__).with_name("topk_cluster.cu")
 
 @dataclass(frozen=True)
 class Variant:
-    """The .cu's compile-time shape: threads a CTA, CTAs a cluster (a row), and the keys a CTA keeps in
-    shared memory between passes (a wider share of a row is read again each pass)."""
+    """The .cu's compile-time shape: threads a CTA, CTAs a cluster (a row), the keys a CTA keeps in shared
+    memory between passes (a wider share of a row is read again each pass), and the positions of the first
+    digit's keys a CTA can list (a row with more of them visits every key in each pass)."""
 
     threads: int = 1024
     cluster: int = 8
     cache_keys: int = 32768
+    list_cap: int = 8192
 
     @property
     def shared_bytes(self) -> int:
-        """The .cu's `Shared` (rounded to 16 bytes) and its key cache; the .cu checks it at build time."""
-        fixed = 4 * 4096 * 3 + 8 * (self.threads // 32) + 16 + 8 * self.cluster
-        return (fixed + 15) // 16 * 16 + 4 * self.cache_keys
+        """The .cu's `Shared` (rounded to 16 bytes), its key cache and its list; the .cu checks it at build
+        time."""
+        fixed = 4 * 4096 * 3 + 8 * (self.threads // 32) + 24 + 8 * self.cluster
+        return (fixed + 15) // 16 * 16 + 4 * self.cache_keys + 4 * self.list_cap
 
     @property
     def defines(self) -> tuple[tuple[str, int], ...]:
         return (("TOPK_THREADS", self.threads), ("TOPK_CLUSTER", self.cluster),
-                ("TOPK_CACHE_KEYS", self.cache_keys), ("TOPK_SHARED_BYTES", self.shared_bytes))
+                ("TOPK_CACHE_KEYS", self.cache_keys), ("TOPK_LIST_CAP", self.list_cap),
+                ("TOPK_SHARED_BYTES", self.shared_bytes))
 
     def span(self, width: int) -> int:
         """Scores a thread reads: the row spread over the cluster's threads, four at a time."""
@@ -45,21 +50,24 @@ class Variant:
 
 DEFAULT = Variant()
 CLUSTERS = (8, 4, 2)  # the cluster sizes `variant_for` picks from
-_ONE_WAVE = {8: 15, 4: 32, 2: 66}  # clusters an H200 (132 SMs) runs at once: a cluster's CTAs share a GPC
+# A CTA's time in us, fitted on an H200 (bench/RESULTS.md): fixed, and a share's keys, kept in shared memory or
+# read again from L2.
+_CTA_US, _CACHED_US_PER_KEY, _READ_US_PER_KEY = 11.0, 0.33e-3, 0.45e-3
 
 
-def variant_for(rows: int, width: int, sms: int = 132) -> Variant:
-    """The cluster for `rows` rows of `width` scores on a GPU of `sms` SMs: among the sizes whose CTAs keep
-    their share of a row in shared memory, the largest whose clusters all run in one wave, else the smallest
-    of them (rows too wide for any cache: the largest size that fits a wave, else 2). Measured on an H200
-    (bench/RESULTS.md, nineteenth session): 128K rows, B = 1-8 clusters of 8 (15.9 us against 24.0 at 4),
-    B = 16 of 4 (24.1 against 29.3), B = 64 of 4 (72.3; 2 CTAs a row read it again each pass: 82.2); 12K rows,
-    B = 64 of 2 (12.0 against 25.7 at 4)."""
-    one_wave = {c: max(1, n * sms // 132) for c, n in _ONE_WAVE.items()}
-    cached = [c for c in CLUSTERS if Variant(cluster=c).span(width) * Variant().threads <= Variant().cache_keys]
-    sizes = cached or list(CLUSTERS)
-    fits = [c for c in sizes if rows <= one_wave[c]]
-    return Variant(cluster=max(fits) if fits else min(sizes))
+def variant_for(rows: int, width: int, one_wave: Mapping[int, int]) -> Variant:
+    """The cluster for `rows` rows of `width` scores, given how many clusters of each size the GPU runs at
+    once: the size whose waves of CTAs take least by the fitted cost of a CTA (more CTAs a row: a smaller
+    share each, which shared memory may hold, but fewer rows a wave). On an H200 at 128K: 8 CTAs a row up to
+    B = 8, 4 to B = 16, 2 at B = 64 (a 64K share read twice from L2, one wave)."""
+    def cost(cluster: int) -> float:
+        variant = Variant(cluster=cluster)
+        keys = variant.span(width) * variant.threads
+        per_key = _CACHED_US_PER_KEY if keys <= variant.cache_keys else _READ_US_PER_KEY
+        return -(-rows // one_wave[cluster]) * (_CTA_US + keys * per_key)
+
+    sizes = [c for c in CLUSTERS if one_wave.get(c, 0) > 0]
+    return Variant(cluster=min(sizes, key=cost)) if sizes else DEFAULT
 
 
 _KERNELS: dict[Variant, CudaKernel] = {}
@@ -86,9 +94,26 @@ class _Params(ctypes.Structure):
     ]
 
 
+_ONE_WAVE: dict[int, dict[int, int]] = {}  # device index -> clusters of each size the GPU runs at once
+
+
+def one_wave(device: torch.device) -> dict[int, int]:
+    """Clusters of each size in `CLUSTERS` that `device` runs at once, by the driver (sizes whose build is not
+    available left out); asked once a device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ONE_WAVE:
+        counts = {}
+        for cluster in CLUSTERS:
+            variant = Variant(cluster=cluster)
+            if available(device, variant):
+                counts[cluster] = _kernel(variant).max_active_clusters(device, cluster, variant.threads)
+        _ONE_WAVE[index] = counts
+    return _ONE_WAVE[index]
+
+
 def _variant(scores: torch.Tensor) -> Variant:
     rows, width = scores.shape
-    return variant_for(rows, width, torch.cuda.get_device_properties(scores.device).multi_processor_count)
+    return variant_for(rows, width, one_wave(scores.device))
 
 
 def supports(scores: torch.Tensor, out: torch.Tensor, variant: Variant | None = None) -> bool:

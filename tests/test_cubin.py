@@ -85,8 +85,9 @@ def test_without_a_gpu_the_kernel_is_unavailable() -> None:
 
 
 @needs_nvcc
-@pytest.mark.parametrize("variant", [topk_cuda.DEFAULT, topk_cuda.Variant(256, 8), topk_cuda.Variant(1024, 2)],
-                         ids=lambda v: f"{v.threads}x{v.cluster}")
+@pytest.mark.parametrize("variant", [topk_cuda.DEFAULT, topk_cuda.Variant(256, 8), topk_cuda.Variant(1024, 2),
+                                     topk_cuda.Variant(list_cap=0)],
+                         ids=lambda v: f"{v.threads}x{v.cluster}-list{v.list_cap}")
 def test_the_cluster_topk_builds_without_spills(variant: topk_cuda.Variant, tmp_path: Path) -> None:
     source = Path(topk_cuda.__file__).with_name("topk_cluster.cu")
     done = subprocess.run([NVCC, *cubin.nvcc_flags("sm_90", variant.defines), "-Xptxas", "-v", "-o",
@@ -94,6 +95,17 @@ def test_the_cluster_topk_builds_without_spills(variant: topk_cuda.Variant, tmp_
     assert done.returncode == 0, done.stderr
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", done.stderr)]
     assert "topk_cluster" in done.stderr and spills and not any(spills), done.stderr
+
+
+def test_the_cluster_size_is_the_one_measured_fastest() -> None:
+    h200 = {8: 15, 4: 30, 2: 64}  # clusters an H200 runs at once (the driver's count)
+    assert topk_cuda.variant_for(1, 131072, h200).cluster == 8  # one wave at most: the smallest share
+    assert topk_cuda.variant_for(16, 131072, h200).cluster == 4  # 8 would take two waves
+    assert topk_cuda.variant_for(64, 131072, h200).cluster == 2  # one wave, a share read again from L2
+    assert topk_cuda.variant_for(1, 1 << 20, h200).cluster == 8
+    assert topk_cuda.variant_for(64, 12288, h200).cluster == 2
+    assert topk_cuda.variant_for(8, 131072, {8: 0, 4: 30}).cluster == 4  # a size that cannot run is skipped
+    assert topk_cuda.variant_for(8, 131072, {}) == topk_cuda.DEFAULT
 
 
 def test_without_a_gpu_rows_take_the_triton_select() -> None:

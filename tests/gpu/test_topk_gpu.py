@@ -68,12 +68,14 @@ def stressing(kind: str, rows: int, width: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("variant", [topk_cuda.DEFAULT, topk_cuda.Variant(512, 8), topk_cuda.Variant(256, 8),
-                                     topk_cuda.Variant(1024, 4), topk_cuda.Variant(1024, 2)],
-                         ids=lambda v: f"{v.threads}x{v.cluster}")
+                                     topk_cuda.Variant(1024, 4), topk_cuda.Variant(1024, 2),
+                                     topk_cuda.Variant(list_cap=0), topk_cuda.Variant(list_cap=64)],
+                         ids=lambda v: f"{v.threads}x{v.cluster}-list{v.list_cap}")
 @pytest.mark.parametrize("kind, rows, width, k", [
     ("indexer", 3, 131072, 2048), ("indexer", 2, 20001, 2048), ("indexer", 1, 1 << 20, 2048),
     ("equal", 2, 65536, 2048), ("signed-zeros", 2, 40000, 2048), ("negative", 4, 131072, 2048),
     ("negative", 2, 17000, 17000), ("indexer", 2, 30000, 1), ("indexer", 1, 4096, 2048),
+    ("signed-zeros", 2, 3001, 2048),
 ])
 def test_cluster_select_equals_the_stable_sort(variant, kind, rows, width, k):
     padded = torch.empty(rows, (width + 3) // 4 * 4, device="cuda")  # rows 16-byte aligned, as the indexer's
