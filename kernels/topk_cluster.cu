@@ -18,9 +18,10 @@
 //    are 512 contiguous bytes) and stores each group of four keys where its thread's later visits read it;
 //  - after the first pass, where the row's keys at or above T's first digit fit a list (TOPK_LIST_CAP: fewer
 //    than K above it, and the usual K-th key's 12-bit bin holds a small share of the row) and a thread's span
-//    fits a 128-bit mask, one more read of the share lists their positions (in any order); the last two
+//    of 16 to 128 keys fits a 128-bit mask, one more read of the share lists their positions (in any order,
+//    one atomic a warp); the last two
 //    passes read only the list, and the list's keys above T and ties set bits in their thread's masks.
-//    Otherwise (many equal keys, very wide rows) the passes and the counts visit every key again;
+//    Otherwise (many equal keys, short or very wide rows) the passes and the counts visit every key again;
 //  - placement: a block scan and the earlier CTAs' totals give each thread how many keys above T and ties
 //    lie before its span; it writes its keys above T and its ties among the row's first `need` ties, from its
 //    masks in bit order, or visiting its keys in position order.
@@ -63,6 +64,7 @@ static_assert(THREADS % 32 == 0 && THREADS <= 1024 && BINS % THREADS == 0, "bins
 static_assert(CLUSTER >= 1 && CLUSTER <= 8, "a portable cluster holds at most 8 CTAs");
 static_assert(CACHE_KEYS % (4 * THREADS) == 0, "the key cache holds whole groups of four a thread");
 constexpr int MASK_BITS = 128;              // a span's keys a thread's masks cover
+constexpr int LIST_MIN_SPAN = 16;            // shorter spans: the visits the list saves cost less than listing
 static_assert(4 * THREADS * 8 <= 2 * BINS * 4, "the masks of keys above T and ties fit the cluster histograms");
 
 
@@ -346,7 +348,7 @@ topk_cluster(const TopKParams p) {
   first_pass(sh, span, cache, cached, rank, prefix, need);
   uint32_t above = 0, ties = 0;  // this thread's keys above T and equal to it
   // The same choice in every CTA: found[] holds the row's counts.
-  const bool listed = p.span <= MASK_BITS && sh.found[1] + sh.found[2] <= LIST_CAP;
+  const bool listed = p.span >= LIST_MIN_SPAN && p.span <= MASK_BITS && sh.found[1] + sh.found[2] <= LIST_CAP;
   unsigned long long* above_mask = reinterpret_cast<unsigned long long*>(sh.cluster_hist);  // [THREADS][2]
   unsigned long long* tie_mask = above_mask + 2 * THREADS;
   if (listed) {
