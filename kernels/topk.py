@@ -30,11 +30,11 @@ The same positions as the one-program kernel and the sort, in 5 launches whose
 programs each hold a chunk, instead of one program per row (or a sort).
 On a GPU with nvcc, rows of every width take the CUDA cluster select instead
 (`kernels/topk_cuda.py`): the same radix idea in one launch, a row's CTAs
-meeting at the cluster barrier (H200, K = 2048: 10-13 us for 8K-16K rows
-against 17-29 for the one-program kernel, 15.8 us for a 128K row against 51
-for the five launches, 46 us for 64 of them against 264); the Triton kernels
-remain where it cannot run (the interpreter, an older GPU, rows not 16-byte
-aligned).
+meeting at the cluster barrier (H200, K = 2048: 15.8 us for a 128K row
+against 51 for the five launches, 46 us for 64 of them against 264; 8K-16K
+rows in 10-17 us against 17-29 for the one-program kernel; bench/RESULTS.md);
+the Triton kernels remain where it cannot run (the interpreter, an older GPU,
+rows not 16-byte aligned).
 No host synchronisation, shapes fixed by (R, W, K): CUDA-graph capturable.
 Contents: the twin `topk_positions_ref`, the kernels and the launcher
 `topk_positions`.
