@@ -119,14 +119,7 @@ struct Span {
 
   template <typename F>
   __device__ __forceinline__ void visit(uint32_t least, F&& f) const {
-    for (int q = start, g = 0; q < end; q += 4, ++g) {
-      const uint4 v = cache ? cache[g * THREADS + threadIdx.x] : load4(row, q, width);
-      if (max(max(v.x, v.y), max(v.z, v.w)) < least) continue;
-      const uint32_t key[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (q + i < end) f(key[i], q + i);
-    }
+    for (int q = start, g = 0; q < end; q += 4, ++g) visit_group(q, g * THREADS + threadIdx.x, end, least, f);
   }
 
   // f(key, position) for every key of the CTA's share in a group of four whose largest is at or above `least`,
@@ -134,17 +127,21 @@ struct Span {
   // the share (coalesced).
   template <typename F>
   __device__ __forceinline__ void visit_share(uint32_t least, F&& f) const {
-    const int groups = span / 4;
-    for (int j = 0; j < groups; ++j) {
+    for (int j = 0; j < span / 4; ++j) {
       const int q = cache ? start + 4 * j : first + 4 * (j * THREADS + static_cast<int>(threadIdx.x));
-      if (q >= width) continue;
-      const uint4 v = cache ? cache[j * THREADS + threadIdx.x] : load4(row, q, width);
-      if (max(max(v.x, v.y), max(v.z, v.w)) < least) continue;
-      const uint32_t key[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (q + i < width) f(key[i], q + i);
+      if (q < width) visit_group(q, j * THREADS + threadIdx.x, width, least, f);
     }
+  }
+
+  // f for each key before `limit` of the group at position q (cache slot `slot`), unless all are below `least`.
+  template <typename F>
+  __device__ __forceinline__ void visit_group(int q, int slot, int limit, uint32_t least, F&& f) const {
+    const uint4 v = cache ? cache[slot] : load4(row, q, width);
+    if (max(max(v.x, v.y), max(v.z, v.w)) < least) return;
+    const uint32_t key[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (q + i < limit) f(key[i], q + i);
   }
 
   // The thread of this CTA whose span holds position `pos`, and the key there.
