@@ -1,8 +1,9 @@
 """Launcher of the cluster top-K (`topk_cluster.cu`): one thread-block cluster a row of float32 scores, one
 launch for the batch, on a GPU of compute capability 9.0 with nvcc at hand. `kernels.topk.topk_positions`
 takes it at every width when `supports` holds; elsewhere its Triton kernels run. Same contract, same
-positions (kernels/topk.py's docstring). Each cluster size is its own build (a compile-time attribute),
-made at its first use and cached like the other cubins."""
+positions (kernels/topk.py's docstring). Each cluster size is its own build (a compile-time attribute);
+the first call on a device builds all of `CLUSTERS` (the driver counts each build's clusters at once, which
+picks the size), cached like the other cubins."""
 
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def variant_for(rows: int, width: int, one_wave: Mapping[int, int]) -> Variant:
     """The cluster for `rows` rows of `width` scores, given how many clusters of each size the GPU runs at
     once: the size whose waves of CTAs take least by the fitted cost of a CTA (more CTAs a row: a smaller
     share each, which shared memory may hold, but fewer rows a wave). On an H200 at 128K: 8 CTAs a row up to
-    B = 8, 4 to B = 16, 2 at B = 64 (a 64K share read twice from L2, one wave)."""
+    B = 8, 4 at B = 16, 2 from B = 32 (a 64K share read twice from L2, one wave)."""
     def cost(cluster: int) -> float:
         variant = Variant(cluster=cluster)
         keys = variant.span(width) * variant.threads
