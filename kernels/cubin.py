@@ -63,7 +63,8 @@ def _check(result: int, call: str) -> None:
         raise RuntimeError(f"{call} failed: {(name.value or b'?').decode()} ({result})")
 
 
-def _index(device: torch.device) -> int:
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of `device` (the current device where it names none)."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
@@ -131,7 +132,7 @@ class CudaKernel:
         """Whether the kernel runs on `device` (built and loaded on first ask)."""
         if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
             return False
-        index = _index(device)
+        index = device_index(device)
         if index not in self._functions:
             with self._lock:
                 if index not in self._functions:
@@ -178,7 +179,7 @@ class CudaKernel:
     def max_active_clusters(self, device: torch.device, cluster: int, threads: int) -> int:
         """How many clusters of `cluster` CTAs of `threads` threads the GPU runs at once (the driver's count:
         a cluster's CTAs share a GPC, so it is not the SMs over the cluster size). Call `available` first."""
-        index = _index(device)
+        index = device_index(device)
         self._make_current(index)
         config = _LaunchConfig((ctypes.c_uint * 3)(cluster, 1, 1), (ctypes.c_uint * 3)(threads, 1, 1),
                                self.shared_bytes, None, None, 0)
@@ -190,7 +191,7 @@ class CudaKernel:
     def launch(self, device: torch.device, grid: tuple[int, int, int], threads: int,
                params: ctypes.Structure) -> None:
         """Launch on `device`'s current PyTorch stream (call `available` first)."""
-        index = _index(device)
+        index = device_index(device)
         function = self._functions[index]
         self._make_current(index)
         stream = torch.cuda.current_stream(device).cuda_stream

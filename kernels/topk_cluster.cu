@@ -19,8 +19,8 @@
 //  - after the first pass, where the row's keys at or above T's first digit fit a list (TOPK_LIST_CAP: fewer
 //    than K above it, and the usual K-th key's 12-bit bin holds a small share of the row) and a thread's span
 //    of 16 to 128 keys fits a 128-bit mask, one more read of the share lists their positions (in any order,
-//    one atomic a warp); the last two
-//    passes read only the list, and the list's keys above T and ties set bits in their thread's masks.
+//    one atomic a warp); the last two passes read only the list, and the list's keys above T and ties set bits
+//    in their thread's masks.
 //    Otherwise (many equal keys, short or very wide rows) the passes and the counts visit every key again;
 //  - placement: a block scan and the earlier CTAs' totals give each thread how many keys above T and ties
 //    lie before its span; it writes its keys above T and its ties among the row's first `need` ties, from its
@@ -55,7 +55,7 @@ constexpr int THREADS = TOPK_THREADS;
 constexpr int WARPS = THREADS / 32;
 constexpr int CLUSTER = TOPK_CLUSTER;
 constexpr int CACHE_KEYS = TOPK_CACHE_KEYS;  // keys a CTA keeps in shared memory
-constexpr int LIST_CAP = TOPK_LIST_CAP;      // positions of the first digit's keys a CTA can list
+constexpr int LIST_CAP = TOPK_LIST_CAP;      // positions of keys at or above T's first digit a CTA can list
 constexpr int BINS = 4096;                   // the widest digit's bins (12 bits)
 constexpr int LOADS = 4;                     // groups of four scores a thread has in flight in the first pass
 constexpr uint32_t ZERO_KEY = 0x80000000u;   // the key of 0.0 and -0.0
@@ -66,7 +66,6 @@ static_assert(CACHE_KEYS % (4 * THREADS) == 0, "the key cache holds whole groups
 constexpr int MASK_BITS = 128;              // a span's keys a thread's masks cover
 constexpr int LIST_MIN_SPAN = 16;            // shorter spans: the visits the list saves cost less than listing
 static_assert(4 * THREADS * 8 <= 2 * BINS * 4, "the masks of keys above T and ties fit the cluster histograms");
-
 
 struct TopKParams {
   const float* scores;

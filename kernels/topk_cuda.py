@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import triton
 
-from kernels.cubin import CudaKernel
+from kernels.cubin import CudaKernel, device_index
 
 _SOURCE = Path(__file__).with_name("topk_cluster.cu")
 
@@ -23,8 +23,8 @@ _SOURCE = Path(__file__).with_name("topk_cluster.cu")
 @dataclass(frozen=True)
 class Variant:
     """The .cu's compile-time shape: threads a CTA, CTAs a cluster (a row), the keys a CTA keeps in shared
-    memory between passes (a wider share of a row is read again each pass), and the positions of the first
-    digit's keys a CTA can list (a row with more of them visits every key in each pass)."""
+    memory between passes (a wider share of a row is read again each pass), and the positions of keys at or
+    above the K-th key's first digit a CTA can list (a row with more of them visits every key in each pass)."""
 
     threads: int = 1024
     cluster: int = 8
@@ -101,7 +101,7 @@ _ONE_WAVE: dict[int, dict[int, int]] = {}  # device index -> clusters of each si
 def one_wave(device: torch.device) -> dict[int, int]:
     """Clusters of each size in `CLUSTERS` that `device` runs at once, by the driver (sizes whose build is not
     available left out); asked once a device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     if index not in _ONE_WAVE:
         counts = {}
         for cluster in CLUSTERS:
