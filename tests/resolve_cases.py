@@ -1,0 +1,89 @@
+"""Small residency cases shared by the interpreter tests and the GPU tests of the resolve: a batch's page tables
+and hot buffers (held positions' rows already in their hot slots) and top-K rows, all on the CPU; a GPU test
+moves them to the device. Importing it sets nothing in the environment."""
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+PAGE = 64
+ROW = 20  # bytes per layer row in the small layout
+GROUP_SIZES = (1, 3)  # two IndexShare groups: {0}, {1, 2, 3}
+PAGE_BYTES = PAGE * sum(GROUP_SIZES) * ROW
+
+
+def group_place(group: int) -> tuple[int, int]:
+    """(byte offset, run bytes) of an IndexShare group in the small layout."""
+    return PAGE * ROW * sum(GROUP_SIZES[:group]), GROUP_SIZES[group] * ROW
+
+
+def runs_view(pool: torch.Tensor, group: int) -> torch.Tensor:
+    offset, run = group_place(group)
+    return pool[:, offset : offset + PAGE * run].unflatten(1, (PAGE, run))
+
+
+@dataclass
+class ResolveCase:
+    """A batch's residency inputs; `state()` clones the tensors the resolve mutates."""
+
+    ctx: list[int]
+    gpu_page: torch.Tensor  # [B, max_pages]
+    host_page: torch.Tensor  # [B, max_pages]
+    hot_slots: torch.Tensor  # [B, R]
+    slot_pos: torch.Tensor  # [B, R]
+    slot_stamp: torch.Tensor  # [B, R]
+    pos_to_hot: torch.Tensor  # [B, max_ctx]
+    gpu_pool: torch.Tensor
+    host_pool: torch.Tensor
+
+    def state(self):
+        return [t.clone() for t in (self.slot_pos, self.slot_stamp, self.pos_to_hot, self.gpu_pool)]
+
+
+def make_case(rng: random.Random, ctx: list[int], num_hot: int, max_ctx: int, step: int,
+              stamp_dtype=torch.int64, map_dtype=torch.int16) -> ResolveCase:
+    b, max_pages = len(ctx), max_ctx // PAGE
+    gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    num_gpu_pages = b * max_pages + b * (num_hot // PAGE + 2)
+    gpu_pool = torch.randint(0, 256, (num_gpu_pages, PAGE_BYTES), dtype=torch.uint8, generator=gen)
+    host_pool = torch.randint(0, 256, (b * max_pages + 3, PAGE_BYTES), dtype=torch.uint8, generator=gen)
+    gpu_page = torch.full((b, max_pages), -1, dtype=torch.int32)
+    host_page = torch.randperm(host_pool.shape[0], generator=gen)[: b * max_pages].view(b, max_pages).int()
+    free_gpu = torch.randperm(b * max_pages, generator=gen).tolist()
+    hot_pool_slots = torch.arange(b * max_pages * PAGE, num_gpu_pages * PAGE)
+    hot_slots = hot_pool_slots[torch.randperm(len(hot_pool_slots), generator=gen)[: b * num_hot]]
+    slot_pos = torch.full((b, num_hot), -1, dtype=torch.int32)
+    slot_stamp = torch.randint(0, max(step, 1), (b, num_hot), generator=gen).to(stamp_dtype)
+    pos_to_hot = torch.full((b, max_ctx), -1, dtype=map_dtype)
+    for i, n in enumerate(ctx):
+        for p in range((n - 1) // PAGE + 1):
+            if p == (n - 1) // PAGE or rng.random() < 0.25:  # tail page always resident
+                gpu_page[i, p] = free_gpu.pop()
+        cold = [pos for pos in range(n) if gpu_page[i, pos // PAGE] < 0]
+        held = rng.sample(cold, min(len(cold), rng.randrange(num_hot + 1)))
+        for pos, slot in zip(held, rng.sample(range(num_hot), len(held))):
+            slot_pos[i, slot], pos_to_hot[i, pos] = pos, slot
+            phys = hot_slots[i * num_hot + slot].item()
+            for g in range(len(GROUP_SIZES)):  # a held position's rows are in its hot slot
+                src = runs_view(host_pool, g)[host_page[i, pos // PAGE], pos % PAGE]
+                runs_view(gpu_pool, g)[phys // PAGE, phys % PAGE] = src
+    return ResolveCase(ctx, gpu_page, host_page, hot_slots.view(b, num_hot).int().contiguous(),
+                       slot_pos, slot_stamp, pos_to_hot, gpu_pool, host_pool)
+
+
+def make_topk(rng: random.Random, ctx: list[int], k: int, previous: list[list[int]] | None = None):
+    """Unique positions per row, the newest token first, about half reused from `previous`."""
+    topk = torch.full((len(ctx), k), 1 << 20, dtype=torch.int32)  # poison past count
+    rows = []
+    for i, n in enumerate(ctx):
+        count = min(n, k) if rng.random() < 0.7 else rng.randrange(min(n, k) + 1)
+        picked = [n - 1] if count else []
+        reuse = [p for p in (previous[i] if previous else []) if p < n - 1]
+        for p in rng.sample(reuse, min(len(reuse), count // 2)) + rng.sample(range(n - 1), max(0, count - 1)):
+            if len(picked) < count and p not in picked:
+                picked.append(p)
+        rows.append(picked)
+        topk[i, : len(picked)] = torch.tensor(picked, dtype=torch.int32)
+    counts = torch.tensor([len(r) for r in rows], dtype=torch.int32)
+    return topk, counts, rows
