@@ -53,7 +53,8 @@ def _on_gpu(case: ResolveCase) -> ResolveCase:
     (7, [6000, 9000, 64], 2047, 4100, 1000, torch.int64, torch.int32),  # slots past those kept in registers
     (8, [12000], 1000, 9000, 40, torch.int32, torch.int16),  # two chunks past them, few stamps
 ])
-def test_cuda_plan_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtype) -> None:
+def test_cuda_plan_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtype, monkeypatch) -> None:
+    monkeypatch.setattr(resolve, "_CUDA_PLAN", True)
     rng = random.Random(seed)
     max_ctx = -(-max(ctx) // PAGE) * PAGE
     case = _on_gpu(make_case(rng, ctx, num_hot, max_ctx, step=step, stamp_dtype=stamp_dtype, map_dtype=map_dtype))
