@@ -28,7 +28,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from engine.kv_layout import KVLayout  # noqa: E402
-from kernels import fp8_pack, page_mirror, resolve, resolve_cuda  # noqa: E402
+from kernels import fp8_pack, page_mirror, resolve  # noqa: E402
 
 PAGE = 64
 GROUP = 2  # IndexShare group of layers 2..5
@@ -315,30 +315,26 @@ def bench_copy_tuning(layout, gpu_pool, host_pool, ceil, log) -> list[dict]:
 
 
 def bench_plan_graph(layout, gpu_pool, host_pool, log) -> list[dict]:
-    """Plan alone (and plan + copy) inside a CUDA graph at B=100: the CUDA plan beside the Triton plan's forms."""
+    """Plan alone (and plan + copy) inside a CUDA graph at B=100."""
     gen = torch.Generator().manual_seed(2)
     batch = make_batch([CTX] * 100, HOT_ROWS, CTX, 0.0, host_pool.shape[0], 1000, gen, torch.device("cuda"))
     step = torch.full((1,), 1000, dtype=torch.int32, device="cuda")
-    cuda_plan = resolve_cuda.available(torch.device("cuda"))
-    default_plan = resolve._CUDA_PLAN and cuda_plan
-    log(f"  CUDA plan available: {cuda_plan}")
     rows = []
     for rate in (0.0, 0.01):
         topk, counts = draw_topk(batch, TOP_K, rate, gen)
         pristine = [t.clone() for t in batch.state()]
         reset = (lambda: [t.copy_(p) for t, p in zip(batch.state(), pristine)]) if rate else None
         args = resolve_args(batch, topk, counts, step, layout, gpu_pool, host_pool)
-        resolve._CUDA_PLAN = False
         for warps in (4, 8, 16):
             us = graph_ms(lambda: resolve.plan_group(*args, num_warps=warps), 20, setup=reset) * 1e3
-            rows.append(dict(what="plan (Triton)", miss_rate=rate, warps=warps, us=us))
-            log(f"  graph plan (Triton) B=100 miss={rate:.0%} warps={warps}: {us:.2f} us")
+            rows.append(dict(what="plan", miss_rate=rate, warps=warps, us=us))
+            log(f"  graph plan B=100 miss={rate:.0%} warps={warps}: {us:.2f} us")
         # The plan kernel alone: `plan_group` also builds the stacked lease table (a few small torch
         # kernels) every call; the engine builds its table on the host and moves it in one copy.
         topk_pos, counts, gpu_pages, host_pages, hot, held, stamp, rmap, step_t = args[:9]
         table, step_s = resolve._stacked_lease_table(hot, held, stamp, rmap), step_t.to(stamp.dtype)
-        # the Triton victim search's probe rules side by side (probes a round, first round near the smallest
-        # key), its default last
+        # the victim search's probe rules side by side (probes a round, first round near the smallest key),
+        # the default last
         default = (resolve._SEARCH_WAYS, resolve._SEARCH_GALLOP)
         for ways, gallop in [f for f in SEARCH_FORMS if f != default] + [default]:
             resolve._SEARCH_WAYS, resolve._SEARCH_GALLOP = ways, gallop
@@ -346,36 +342,29 @@ def bench_plan_graph(layout, gpu_pool, host_pool, log) -> list[dict]:
                                                        rmap.dtype, step_s, gpu_pool, None, resolve.PAGE_SIZE, 8),
                           20, setup=reset) * 1e3
             form = f"{ways} probe{'s' if ways > 1 else ''} a round{', first near the smallest key' if gallop else ''}"
-            rows.append(dict(what=f"Triton plan kernel (table built once; {form})", miss_rate=rate, warps=8, us=us))
-            log(f"  graph Triton plan kernel B=100 miss={rate:.0%} ({form}): {us:.2f} us")
+            rows.append(dict(what=f"plan kernel (table built once; {form})", miss_rate=rate, warps=8, us=us))
+            log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}): {us:.2f} us")
+        # other table dtypes, the default form: the engine's (int64 stamps, int32 reverse map:
+        # residency/hot_buffer.py) and each of its two halves beside the bench's int32 / int16
+        for stamp_dtype, map_dtype in ((torch.int64, torch.int32), (torch.int64, torch.int16),
+                                       (torch.int32, torch.int32)):
+            stamp_x, rmap_x = stamp.to(stamp_dtype), rmap.to(map_dtype)
+            table_x, step_x = resolve._stacked_lease_table(hot, held, stamp_x, rmap_x), step_t.to(stamp_dtype)
+            reset_x = (lambda: (reset(), stamp_x.copy_(pristine[1]), rmap_x.copy_(pristine[2]))) if rate else None
+            us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table_x, stamp_dtype,
+                                                       map_dtype, step_x, gpu_pool, None, resolve.PAGE_SIZE, 8),
+                          20, setup=reset_x) * 1e3
+            dtypes = f"{str(stamp_dtype)[6:]} stamps, {str(map_dtype)[6:]} map"
+            rows.append(dict(what=f"plan kernel (table built once; {form}; {dtypes})", miss_rate=rate, warps=8, us=us))
+            log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}, {dtypes}): {us:.2f} us")
         for warps in (4, 16):  # the default form at other widths
             us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table, stamp.dtype,
                                                        rmap.dtype, step_s, gpu_pool, None, resolve.PAGE_SIZE, warps),
                           20, setup=reset) * 1e3
-            rows.append(dict(what=f"Triton plan kernel (table built once; {form})", miss_rate=rate, warps=warps,
-                             us=us))
-            log(f"  graph Triton plan kernel B=100 miss={rate:.0%} ({form}, {warps} warps): {us:.2f} us")
-        # both kernels over the bench's table dtypes and the engine's (int64 stamps, int32 reverse map:
-        # residency/rank.py) and each of its halves
-        for kernel in ("CUDA", "Triton") if cuda_plan else ("Triton",):
-            resolve._CUDA_PLAN = kernel == "CUDA"
-            for stamp_dtype, map_dtype in ((torch.int32, torch.int16), (torch.int64, torch.int32),
-                                           (torch.int64, torch.int16), (torch.int32, torch.int32)):
-                stamp_x, rmap_x = stamp.to(stamp_dtype), rmap.to(map_dtype)
-                table_x, step_x = resolve._stacked_lease_table(hot, held, stamp_x, rmap_x), step_t.to(stamp_dtype)
-                reset_x = (lambda: (reset(), stamp_x.copy_(pristine[1]), rmap_x.copy_(pristine[2]))) if rate else None
-                us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table_x,
-                                                           stamp_dtype, map_dtype, step_x, gpu_pool, None,
-                                                           resolve.PAGE_SIZE, 8),
-                              20, setup=reset_x) * 1e3
-                dtypes = f"{str(stamp_dtype)[6:]} stamps, {str(map_dtype)[6:]} map"
-                rows.append(dict(what=f"{kernel} plan kernel (table built once; {dtypes})", miss_rate=rate,
-                                 warps=8 if kernel == "Triton" else resolve_cuda.THREADS // 32, us=us))
-                log(f"  graph {kernel} plan kernel B=100 miss={rate:.0%} ({dtypes}): {us:.2f} us")
-        resolve._CUDA_PLAN = default_plan
+            rows.append(dict(what=f"plan kernel (table built once; {form})", miss_rate=rate, warps=warps, us=us))
+            log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}, {warps} warps): {us:.2f} us")
         us = graph_ms(lambda: resolve.resolve_group(*args), 20, setup=reset) * 1e3
-        rows.append(dict(what=f"plan+copy ({'CUDA' if default_plan else 'Triton'} plan)", miss_rate=rate, warps=8,
-                         us=us))
+        rows.append(dict(what="plan+copy", miss_rate=rate, warps=8, us=us))
         log(f"  graph plan+copy B=100 miss={rate:.0%}: {us:.2f} us")
         for t, p in zip(batch.state(), pristine):
             t.copy_(p)

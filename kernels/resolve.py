@@ -21,10 +21,7 @@ step that calls them can be captured in a CUDA graph:
    on the per-slot stamps (a few probes a round, their counts in one packed
    sum, the first round just above the oldest stamp) plus one prefix-sum
    compaction, update the LRU state in place and write a compacted list of
-   (host slot, hot slot) copies. On a GPU of compute capability 9.0 with nvcc
-   at hand the plan is the CUDA kernel of `kernels/resolve_plan.cu`
-   (`resolve_cuda`; top-K up to 4,096), the same plan with its phases meeting
-   at block barriers and its victims passed through shared memory;
+   (host slot, hot slot) copies;
 2. copy (a persistent grid over every miss of the batch): each program maps
    global miss numbers to (request, miss) with a prefix sum over the per-request
    counts and moves whole runs, reading the pinned host tensor directly (UVA).
@@ -62,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, resolve_cuda
+from kernels import pdl
 
 
 PAGE_SIZE = 64
@@ -83,9 +80,6 @@ MAX_HOT_SLOTS = 1 << 21
 # (2 x top-K = 4,096 slots) in one chunk: 23 us at 1 % misses against 26 (2,048) and 31 (1,024).
 _R_BLOCK = 4096
 _B_BLOCK = 64  # requests per chunk of the copy's prefix sum: one compiled copy for any batch
-# The plan launch as the CUDA kernel (`resolve_cuda`) where it runs, else the Triton kernel. Off: on an H200 it
-# measured slower than the Triton plan without misses (bench/NOTES.md, twenty-first session).
-_CUDA_PLAN = False
 
 
 class ResolveResult(NamedTuple):
@@ -441,15 +435,9 @@ def _launch_plan(topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_ta
             or kv_slots.device != dev):
         raise ValueError("out must be a contiguous [B, K] int32 tensor on the pool's device")
     num_copied = torch.empty(b, dtype=torch.int32, device=dev)
-    step_t = _step_tensor(step, stamp_dtype, dev)
-    if _CUDA_PLAN and resolve_cuda.supports(topk_pos, page_size, stamp_dtype, map_dtype):
-        copies = torch.empty((2, b, k), dtype=torch.int32, device=dev)
-        resolve_cuda.launch(topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_table, step_t, kv_slots,
-                            num_copied, copies[0], copies[1], stamp_dtype, map_dtype, page_size)
-        return ResolvePlan(kv_slots, num_copied, copies[0], copies[1])
     work = torch.empty((4, b, k), dtype=torch.int32, device=dev)
     _plan_kernel[(b,)](
-        topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_table, step_t,
+        topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_table, _step_tensor(step, stamp_dtype, dev),
         kv_slots, num_copied, work[0], work[1], work[2], work[3],
         k, gpu_slot_of_page.shape[1],
         PAGE=page_size, K_BLOCK=triton.next_power_of_2(k), R_BLOCK=_R_BLOCK, WAYS=_SEARCH_WAYS, GALLOP=_SEARCH_GALLOP,

@@ -2,9 +2,8 @@
 for sm_90 in every variant the launcher can ask for, without spilling registers (a spill would put the
 kernel's accumulators in local memory), its cubin is reused from the cache, and without a GPU the kernel
 says it is unavailable so the Triton kernel runs. The cluster top-K builds the same way in each variant the
-benchmark times, and without a GPU leaves rows to the Triton select; the resolve plan builds without spills
-and without a GPU leaves the plan to Triton. The benchmark's ceiling for the sparse MLA (the same rows
-gathered alone, bench/row_gather.cu) builds for both row formats."""
+benchmark times, and without a GPU leaves rows to the Triton select. The benchmark's ceiling for it (the same rows gathered
+alone, bench/row_gather.cu) builds for both row formats."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cubin, resolve_cuda, sparse_mla_cuda, topk_cuda
+from kernels import cubin, sparse_mla_cuda, topk_cuda
 from kernels.sparse_mla_cuda import Variant
 
 NVCC = cubin.find_nvcc()
@@ -112,18 +111,3 @@ def test_the_cluster_size_is_the_one_measured_fastest() -> None:
 def test_without_a_gpu_rows_take_the_triton_select() -> None:
     scores = torch.zeros(2, 20000)
     assert not topk_cuda.supports(scores, torch.zeros(2, 16, dtype=torch.int64))
-
-
-@needs_nvcc
-def test_the_resolve_plan_builds_without_spills(tmp_path: Path) -> None:
-    source = Path(resolve_cuda.__file__).with_name("resolve_plan.cu")
-    defines = (("PLAN_THREADS", resolve_cuda.THREADS), ("PLAN_SHARED_BYTES", resolve_cuda.SHARED_BYTES))
-    done = subprocess.run([NVCC, *cubin.nvcc_flags("sm_90", defines), "-Xptxas", "-v", "-o",
-                           str(tmp_path / "k.cubin"), str(source)], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", done.stderr)]
-    assert "resolve_plan_s64_m32" in done.stderr and len(spills) == 8 and not any(spills), done.stderr
-
-
-def test_without_a_gpu_the_resolve_plan_is_triton() -> None:
-    assert not resolve_cuda.supports(torch.zeros(2, 16, dtype=torch.int32), 64, torch.int64, torch.int32)

@@ -1,11 +1,10 @@
 """The fused resolve on the GPU. At GLM-5.3's shapes (top-K 2,048, 4,096 hot slots, contexts up to 70K, one
 IndexShare group of the FP8 layout): three decode steps with overlapping selections and a replay inside a CUDA
 graph equal the PyTorch twin byte for byte (slots, copy counts, LRU tables, the pool), and every selected
-host-only row reads its host bytes (`bench/gpu_check_residency.check_resolve`), with the CUDA plan and with each
-form of the Triton plan's victim search (probes a round; first round near the smallest key). The CUDA plan also
-meets the interpreter tests' small cases (a hot buffer no larger than the top-K, or smaller than the caller
-promised; stamps 2^40 apart; three stamps) and hot buffers past the slots it keeps in registers, over three
-steps each."""
+host-only row reads its host bytes (`bench/gpu_check_residency.check_resolve`), for each form of the victim
+search (probes a round; first round near the smallest key). The interpreter tests' small cases (a hot buffer no
+larger than the top-K, or smaller than the caller promised; stamps 2^40 apart; three stamps) and hot buffers
+larger than one chunk of the plan's slots, over three steps each, equal the twin on the GPU too."""
 
 from __future__ import annotations
 
@@ -16,20 +15,15 @@ import torch
 
 from bench import gpu_check_residency as checks
 from bench.kernels_residency import glm53_layout
-from kernels import resolve, resolve_cuda
+from kernels import resolve
 from tests.resolve_cases import PAGE, ResolveCase, group_place, make_case, make_topk
 
 
-@pytest.mark.parametrize("cuda_plan,ways,gallop", [(True, 3, True), (False, 1, False), (False, 1, True),
-                                                   (False, 2, True), (False, 3, True)],
-                         ids=["cuda", "triton-1", "triton-1-gallop", "triton-2-gallop", "triton-3-gallop"])
-def test_resolve_matches_twin_at_glm_shapes(cuda_plan: bool, ways: int, gallop: bool, monkeypatch) -> None:
-    monkeypatch.setattr(resolve, "_CUDA_PLAN", cuda_plan)
+@pytest.mark.parametrize("ways,gallop", [(1, False), (1, True), (2, True), (3, True)])
+def test_resolve_matches_twin_at_glm_shapes(ways: int, gallop: bool, monkeypatch) -> None:
     monkeypatch.setattr(resolve, "_SEARCH_WAYS", ways)
     monkeypatch.setattr(resolve, "_SEARCH_GALLOP", gallop)
     monkeypatch.setattr(checks, "FAILED", [])
-    if cuda_plan:
-        assert resolve_cuda.available(torch.device("cuda"), torch.int32, torch.int16)  # the check's tables
     checks.check_resolve(glm53_layout(), torch.device("cuda"), [1, 40, 2047, 2048, 2049, 5000, 30000, 70001], 2048,
                          4096, 70016)
     assert not checks.FAILED, checks.FAILED
@@ -50,11 +44,11 @@ def _on_gpu(case: ResolveCase) -> ResolveCase:
     (4, [384, 300, 200], 16, 20, 1 << 40, torch.int64, torch.int16),  # wide stamp range: many search rounds
     (5, [384, 384], 32, 48, 2_000_000_000, torch.int32, torch.int32),
     (6, [300, 384, 200], 16, 24, 3, torch.int32, torch.int16),  # three stamps: victims below the threshold and at it
-    (7, [6000, 9000, 64], 2047, 4100, 1000, torch.int64, torch.int32),  # slots past those kept in registers
-    (8, [12000], 1000, 9000, 40, torch.int32, torch.int16),  # two chunks past them, few stamps
+    (7, [6000, 9000, 64], 2047, 4100, 1000, torch.int64, torch.int32),  # slots past one chunk (4,096)
+    (8, [12000], 1000, 9000, 40, torch.int32, torch.int16),  # three chunks, few stamps
 ])
-def test_cuda_plan_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtype, monkeypatch) -> None:
-    monkeypatch.setattr(resolve, "_CUDA_PLAN", True)
+def test_plan_matches_twin_on_small_cases_and_large_buffers(seed, ctx, k, num_hot, step, stamp_dtype,
+                                                            map_dtype) -> None:
     rng = random.Random(seed)
     max_ctx = -(-max(ctx) // PAGE) * PAGE
     case = _on_gpu(make_case(rng, ctx, num_hot, max_ctx, step=step, stamp_dtype=stamp_dtype, map_dtype=map_dtype))
@@ -64,7 +58,6 @@ def test_cuda_plan_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dt
     for t in range(3):  # later steps hit what earlier ones loaded
         topk, counts, rows = make_topk(rng, ctx, k, previous=rows)
         topk, counts = topk.cuda(), counts.cuda()
-        assert resolve_cuda.supports(topk, PAGE, stamp_dtype, map_dtype)
         results = []
         for fn, (slot_pos, slot_stamp, pos_to_hot, gpu_pool) in ((resolve.resolve_group, got_state),
                                                                   (resolve.resolve_group_reference, want_state)):
