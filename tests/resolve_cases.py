@@ -87,3 +87,16 @@ def make_topk(rng: random.Random, ctx: list[int], k: int, previous: list[list[in
         topk[i, : len(picked)] = torch.tensor(picked, dtype=torch.int32)
     counts = torch.tensor([len(r) for r in rows], dtype=torch.int32)
     return topk, counts, rows
+
+
+# (seed, contexts, top-K, hot slots, step, stamp dtype, reverse-map dtype) of the small resolve cases (contexts
+# within 384 tokens)
+SMALL_CASES = [
+    (0, [5, 300, 384, 64], 16, 24, 9, torch.int64, torch.int16),
+    (1, [130, 1, 200], 32, 40, 9, torch.int32, torch.int32),
+    (2, [256, 90], 16, 16, 9, torch.int64, torch.int16),  # R == K: misses can exceed free slots
+    (3, [250, 256, 129], 24, 8, 9, torch.int32, torch.int16),  # R < count: caller broke the guarantee
+    (4, [384, 300, 200], 16, 20, 1 << 40, torch.int64, torch.int16),  # wide stamp range: many search rounds
+    (5, [384, 384], 32, 48, 2_000_000_000, torch.int32, torch.int32),
+    (6, [300, 384, 200], 16, 24, 3, torch.int32, torch.int16),  # three stamps: victims below the threshold and at it
+]

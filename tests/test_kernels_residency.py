@@ -17,7 +17,7 @@ import torch  # noqa: E402
 
 from kernels import fp8_pack, fp8_rows, page_mirror, resolve  # noqa: E402
 from tests.resolve_cases import (  # noqa: E402
-    PAGE, PAGE_BYTES, ResolveCase, group_place, make_case, make_topk, runs_view,
+    PAGE, PAGE_BYTES, SMALL_CASES, ResolveCase, group_place, make_case, make_topk, runs_view,
 )
 
 
@@ -29,15 +29,7 @@ def run_resolve(fn, case: ResolveCase, topk, counts, state, step, group):
               step, offset, run, gpu_pool, case.host_pool, out=out)
 
 
-@pytest.mark.parametrize("seed,ctx,k,num_hot,step,stamp_dtype,map_dtype", [
-    (0, [5, 300, 384, 64], 16, 24, 9, torch.int64, torch.int16),
-    (1, [130, 1, 200], 32, 40, 9, torch.int32, torch.int32),
-    (2, [256, 90], 16, 16, 9, torch.int64, torch.int16),  # R == K: misses can exceed free slots
-    (3, [250, 256, 129], 24, 8, 9, torch.int32, torch.int16),  # R < count: caller broke the guarantee
-    (4, [384, 300, 200], 16, 20, 1 << 40, torch.int64, torch.int16),  # wide stamp range: many search rounds
-    (5, [384, 384], 32, 48, 2_000_000_000, torch.int32, torch.int32),
-    (6, [300, 384, 200], 16, 24, 3, torch.int32, torch.int16),  # three stamps: victims below the threshold and at it
-])
+@pytest.mark.parametrize("seed,ctx,k,num_hot,step,stamp_dtype,map_dtype", SMALL_CASES)
 @pytest.mark.parametrize("r_block,b_block", [(1024, 64), (8, 2)])  # one chunk; many chunks of slots and requests
 # the victim search's probe rules: probes a round, first round near the oldest stamp
 @pytest.mark.parametrize("ways,gallop", [(1, True), (1, False), (2, False), (3, True)])

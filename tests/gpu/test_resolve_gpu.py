@@ -16,7 +16,7 @@ import torch
 from bench import gpu_check_residency as checks
 from bench.kernels_residency import glm53_layout
 from kernels import resolve
-from tests.resolve_cases import PAGE, ResolveCase, group_place, make_case, make_topk
+from tests.resolve_cases import PAGE, SMALL_CASES, ResolveCase, group_place, make_case, make_topk
 
 
 @pytest.mark.parametrize("ways,gallop", [(1, False), (1, True), (2, True), (3, True)])
@@ -36,14 +36,7 @@ def _on_gpu(case: ResolveCase) -> ResolveCase:
                                                        case.gpu_pool)), case.host_pool.pin_memory())
 
 
-@pytest.mark.parametrize("seed,ctx,k,num_hot,step,stamp_dtype,map_dtype", [
-    (0, [5, 300, 384, 64], 16, 24, 9, torch.int64, torch.int16),
-    (1, [130, 1, 200], 32, 40, 9, torch.int32, torch.int32),
-    (2, [256, 90], 16, 16, 9, torch.int64, torch.int16),  # R == K: misses can exceed free slots
-    (3, [250, 256, 129], 24, 8, 9, torch.int32, torch.int16),  # R < count: caller broke the guarantee
-    (4, [384, 300, 200], 16, 20, 1 << 40, torch.int64, torch.int16),  # wide stamp range: many search rounds
-    (5, [384, 384], 32, 48, 2_000_000_000, torch.int32, torch.int32),
-    (6, [300, 384, 200], 16, 24, 3, torch.int32, torch.int16),  # three stamps: victims below the threshold and at it
+@pytest.mark.parametrize("seed,ctx,k,num_hot,step,stamp_dtype,map_dtype", SMALL_CASES + [
     (7, [6000, 9000, 64], 2047, 4100, 1000, torch.int64, torch.int32),  # slots past one chunk (4,096)
     (8, [12000], 1000, 9000, 40, torch.int32, torch.int16),  # three chunks, few stamps
 ])
