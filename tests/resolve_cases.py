@@ -40,6 +40,13 @@ class ResolveCase:
     def state(self):
         return [t.clone() for t in (self.slot_pos, self.slot_stamp, self.pos_to_hot, self.gpu_pool)]
 
+    def to_gpu(self) -> "ResolveCase":
+        """The case on the current CUDA device, its host pool pinned (the resolve reads it through UVA)."""
+        dev = torch.device("cuda")
+        return ResolveCase(self.ctx, *(t.to(dev) for t in (self.gpu_page, self.host_page, self.hot_slots,
+                                                            self.slot_pos, self.slot_stamp, self.pos_to_hot,
+                                                            self.gpu_pool)), self.host_pool.pin_memory())
+
 
 def make_case(rng: random.Random, ctx: list[int], num_hot: int, max_ctx: int, step: int,
               stamp_dtype=torch.int64, map_dtype=torch.int16) -> ResolveCase:
@@ -87,6 +94,15 @@ def make_topk(rng: random.Random, ctx: list[int], k: int, previous: list[list[in
         topk[i, : len(picked)] = torch.tensor(picked, dtype=torch.int32)
     counts = torch.tensor([len(r) for r in rows], dtype=torch.int32)
     return topk, counts, rows
+
+
+def run_resolve(fn, case: ResolveCase, topk, counts, state, step, group):
+    """`fn` (the resolve or its twin) on `state` (from `case.state()`), its output poisoned first."""
+    slot_pos, slot_stamp, pos_to_hot, gpu_pool = state
+    offset, run = group_place(group)
+    out = torch.full(topk.shape, -7, dtype=torch.int32, device=topk.device)  # poisoned output
+    return fn(topk, counts, case.gpu_page, case.host_page, case.hot_slots, slot_pos, slot_stamp, pos_to_hot,
+              step, offset, run, gpu_pool, case.host_pool, out=out)
 
 
 # (seed, contexts, top-K, hot slots, step, stamp dtype, reverse-map dtype) of the small resolve cases (contexts

@@ -17,16 +17,8 @@ import torch  # noqa: E402
 
 from kernels import fp8_pack, fp8_rows, page_mirror, resolve  # noqa: E402
 from tests.resolve_cases import (  # noqa: E402
-    PAGE, PAGE_BYTES, SMALL_CASES, ResolveCase, group_place, make_case, make_topk, runs_view,
+    PAGE, PAGE_BYTES, SMALL_CASES, ResolveCase, group_place, make_case, make_topk, run_resolve, runs_view,
 )
-
-
-def run_resolve(fn, case: ResolveCase, topk, counts, state, step, group):
-    slot_pos, slot_stamp, pos_to_hot, gpu_pool = state
-    offset, run = group_place(group)
-    out = torch.full(topk.shape, -7, dtype=torch.int32)  # poisoned output
-    return fn(topk, counts, case.gpu_page, case.host_page, case.hot_slots, slot_pos, slot_stamp, pos_to_hot,
-              step, offset, run, gpu_pool, case.host_pool, out=out)
 
 
 @pytest.mark.parametrize("seed,ctx,k,num_hot,step,stamp_dtype,map_dtype", SMALL_CASES)

@@ -16,7 +16,7 @@ import torch
 from bench import gpu_check_residency as checks
 from bench.kernels_residency import glm53_layout
 from kernels import resolve
-from tests.resolve_cases import PAGE, SMALL_CASES, ResolveCase, group_place, make_case, make_topk
+from tests.resolve_cases import PAGE, SMALL_CASES, make_case, make_topk, run_resolve
 
 
 @pytest.mark.parametrize("ways,gallop", [(1, False), (1, True), (2, True), (3, True)])
@@ -29,13 +29,6 @@ def test_resolve_matches_twin_at_glm_shapes(ways: int, gallop: bool, monkeypatch
     assert not checks.FAILED, checks.FAILED
 
 
-def _on_gpu(case: ResolveCase) -> ResolveCase:
-    dev = torch.device("cuda")
-    return ResolveCase(case.ctx, *(t.to(dev) for t in (case.gpu_page, case.host_page, case.hot_slots,
-                                                       case.slot_pos, case.slot_stamp, case.pos_to_hot,
-                                                       case.gpu_pool)), case.host_pool.pin_memory())
-
-
 @pytest.mark.parametrize("seed,ctx,k,num_hot,step,stamp_dtype,map_dtype", SMALL_CASES + [
     (7, [6000, 9000, 64], 2047, 4100, 1000, torch.int64, torch.int32),  # slots past one chunk (4,096)
     (8, [12000], 1000, 9000, 40, torch.int32, torch.int16),  # three chunks, few stamps
@@ -44,20 +37,15 @@ def test_plan_matches_twin_on_small_cases_and_large_buffers(seed, ctx, k, num_ho
                                                             map_dtype) -> None:
     rng = random.Random(seed)
     max_ctx = -(-max(ctx) // PAGE) * PAGE
-    case = _on_gpu(make_case(rng, ctx, num_hot, max_ctx, step=step, stamp_dtype=stamp_dtype, map_dtype=map_dtype))
+    case = make_case(rng, ctx, num_hot, max_ctx, step=step, stamp_dtype=stamp_dtype, map_dtype=map_dtype).to_gpu()
     got_state, want_state = case.state(), case.state()
     rows = None
     copied = 0
     for t in range(3):  # later steps hit what earlier ones loaded
         topk, counts, rows = make_topk(rng, ctx, k, previous=rows)
         topk, counts = topk.cuda(), counts.cuda()
-        results = []
-        for fn, (slot_pos, slot_stamp, pos_to_hot, gpu_pool) in ((resolve.resolve_group, got_state),
-                                                                  (resolve.resolve_group_reference, want_state)):
-            out = torch.full(topk.shape, -7, dtype=torch.int32, device="cuda")  # poisoned output
-            results.append(fn(topk, counts, case.gpu_page, case.host_page, case.hot_slots, slot_pos, slot_stamp,
-                              pos_to_hot, step + t, *group_place(1), gpu_pool, case.host_pool, out=out))
-        got, want = results
+        got = run_resolve(resolve.resolve_group, case, topk, counts, got_state, step + t, 1)
+        want = run_resolve(resolve.resolve_group_reference, case, topk, counts, want_state, step + t, 1)
         assert torch.equal(got.kv_slots, want.kv_slots)
         assert torch.equal(got.num_copied, want.num_copied)
         for g, w in zip(got_state, want_state):
