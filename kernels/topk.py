@@ -32,7 +32,7 @@ On a GPU with nvcc, rows of every width take the CUDA cluster select instead
 (`kernels/topk_cuda.py`): the same radix idea in one launch, a row's CTAs
 meeting at the cluster barrier (H200, K = 2048: 15.8 us for a 128K row
 against 51 for the five launches, 46 us for 64 of them against 264; 8K-16K
-rows in 10-17 us against 17-29 for the one-program kernel; bench/RESULTS.md);
+rows in 10-14 us against 18-30 for the one-program kernel; bench/RESULTS.md);
 the Triton kernels remain where it cannot run (the interpreter, an older GPU,
 rows not 16-byte aligned).
 No host synchronisation, shapes fixed by (R, W, K): CUDA-graph capturable.
