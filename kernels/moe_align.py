@@ -11,9 +11,12 @@ outside [0, E) are left out (a rank without an expert passes -1).
 Launches: one program for T*k <= SMALL_ALIGN (small decode batches): two passes
 over the slots in sub-blocks, a histogram of the experts, then each slot's
 place from its expert's next free position (gathered from registers) plus its
-rank among the sub-block's earlier slots of that expert; above that, a
-per-chunk count launch and a scatter launch. Deterministic: no atomics decide
-an order. Contents: the PyTorch twin `moe_align_ref`, the Triton kernels and
+rank among the sub-block's earlier slots of that expert. Up to SORTED_ALIGN
+(larger decode batches) one program holds every slot: a histogram gives each
+expert's padded start, a bitonic sort of (expert, slot) keys gives each slot's
+rank (its sorted index less its expert's first); the sub-block passes grow
+with the slots, the sort only with their logarithm. Above that, a per-chunk
+count launch and a scatter launch. Deterministic: no atomics decide an order. Contents: the PyTorch twin `moe_align_ref`, the Triton kernels and
 the launcher `moe_align`.
 """
 
@@ -33,6 +36,7 @@ ID_DTYPES = (torch.int32, torch.int64)
 ALIGN_CHUNK = 128  # slots per program of the multi-program alignment (prefill chunks)
 SMALL_ALIGN = 256  # up to this many slots one program aligns them all (H200, two warps: 4.6 us at 9 slots,
 # 7.9 at 72, 12.8 at 252, against 21-22 us for the two launches)
+SORTED_ALIGN = 4096  # up to this many slots one program sorts them (every slot held in registers)
 
 
 class MoEAlignment(NamedTuple):
@@ -204,7 +208,15 @@ def _align_small_kernel(
         tl.store(sorted_ptr + pos, s0 + sub, mask=ok)
         free += tl.histogram(key, BLOCK_E)
 
-    # Padding after each expert's slots, its blocks' expert, then the unused tail.
+    _store_padding(sorted_ptr, eob_ptr, npad_ptr, total, padded, starts, num_padded, num_slots, max_padded,
+                   max_blocks, ex, BLOCK_M, TAIL, PAD)
+
+
+@triton.jit
+def _store_padding(sorted_ptr, eob_ptr, npad_ptr, total, padded, starts, num_padded, num_slots, max_padded,
+                   max_blocks, ex, BLOCK_M: tl.constexpr, TAIL: tl.constexpr, PAD: tl.constexpr):
+    """A one-program alignment's stores besides the slots: the sentinel after each expert's slots, the expert
+    of each block, then expert -1 and the sentinel past num_padded."""
     pad_end = padded - total
     for j0 in range(0, BLOCK_M, PAD):
         col = j0 + tl.arange(0, PAD)
@@ -223,6 +235,36 @@ def _align_small_kernel(
         tl.store(sorted_ptr + p, tl.zeros([TAIL], dtype=tl.int32) + num_slots,
                  mask=(p >= num_padded) & (p < max_padded))
     tl.store(npad_ptr, num_padded)
+
+
+@triton.jit(do_not_specialize=["num_slots", "max_padded", "max_blocks"])
+def _align_sorted_kernel(
+    ids_ptr, sorted_ptr, eob_ptr, npad_ptr,
+    num_slots, num_experts, max_padded, max_blocks, top_k, stride_it, stride_ij,
+    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, TAIL: tl.constexpr, PAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program, every slot at once: slot s of expert e goes to e's padded start plus its rank among e's
+    slots, which is its index in the sorted keys e * BLOCK_N + s less the count of slots of lower experts.
+    Slots left out (ids outside [0, E), lanes past num_slots) sort last and are never stored."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
+    s = tl.arange(0, BLOCK_N)
+    ex = tl.arange(0, BLOCK_E)
+    e, ok = _load_ids(ids_ptr, s, num_slots, num_experts, top_k, stride_it, stride_ij)
+    total = tl.histogram(tl.where(ok, e, BLOCK_E - 1), BLOCK_E)
+    total = tl.where(ex < num_experts, total, 0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    num_padded = tl.sum(padded, axis=0)
+    below = tl.cumsum(total, axis=0) - total  # slots of lower experts
+    keys = tl.sort(tl.where(ok, e, num_experts) * BLOCK_N + s)
+    key_e = keys // BLOCK_N
+    place = s + tl.gather(starts - below, tl.minimum(key_e, BLOCK_E - 1), 0)
+    tl.store(sorted_ptr + place, keys % BLOCK_N, mask=key_e < num_experts)
+    _store_padding(sorted_ptr, eob_ptr, npad_ptr, total, padded, starts, num_padded, num_slots, max_padded,
+                   max_blocks, ex, BLOCK_M, TAIL, PAD)
 
 
 def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool) -> None:
@@ -262,6 +304,14 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
             topk_ids, sorted_ids, eob, num_padded, n, num_experts, max_padded, max_blocks, k, si, sj,
             BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, SUB=16 if n <= 16 else 64,
             TAIL=1024, PAD=16, num_warps=2, **pdl.launch_options(topk_ids.device)
+        )
+        return MoEAlignment(sorted_ids, eob, num_padded)
+    if n <= SORTED_ALIGN:
+        block_n = triton.next_power_of_2(n)
+        _align_sorted_kernel[(1,)](
+            topk_ids, sorted_ids, eob, num_padded, n, num_experts, max_padded, max_blocks, k, si, sj,
+            BLOCK_N=block_n, BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, TAIL=1024, PAD=16,
+            num_warps=min(16, max(4, block_n // 128)), **pdl.launch_options(topk_ids.device)
         )
         return MoEAlignment(sorted_ids, eob, num_padded)
     block_e = max(32, triton.next_power_of_2(num_experts))

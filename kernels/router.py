@@ -21,7 +21,12 @@ cuBLAS, as IEEE dots in another order) on tensor cores, a 16 x 16 tile a program
 tokens and 9.9 at 32 on an H200 (7.9 and 13.0 with four warps), where cuBLAS takes 6-19 us and IEEE dots in
 Triton 17-32 us. Float32 products for a block of tokens a program (its weight tile loaded once) measured slower
 than the dots from two tokens on: the time is the chain of load, partial store and last range's sum, not the
-bytes. From `ROUTER_PARTIAL_TOKENS` up cuBLAS is faster and computes the logits whole. Up to
+bytes. bf16 activations (every serving decode batch) take bf16 dots instead: the weight tile is split in
+registers into three bf16 parts whose sum is the float32 weight (8 + 8 + 8 significant bits), and a bf16
+activation times a bf16 part is exact in float32, so three bf16 dots accumulating in float32 give the IEEE
+product in another summation order, at half the tensor-core work of tf32x3; one tile holds every token (up to
+`ROUTER_SPLIT_TOKENS`), so the weight is read once. Other activations take tf32x3 up to
+`ROUTER_PARTIAL_TOKENS` tokens, and from there cuBLAS computes the logits whole. Up to
 `ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32 products summed in registers, one token per
 program (no mostly empty 16-row dot tiles); a caller may raise that bound (`fma_tokens`): the indexer's head
 weights, [32, 6144] float32, take it up to 64 rows (engine/attention.py).
@@ -34,7 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
-from kernels.fp8_gemm import _arrival_counters, _num_sms
+from kernels.fp8_gemm import _arrival_counters, _interpreting, _num_sms
 
 
 @triton.jit
@@ -58,6 +63,46 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidde
         w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + (k0 + offs_k)[None, :],
                     mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+    out = part_ptr + (split * num_tokens + offs_t.to(tl.int64))[:, None] * num_experts + offs_e[None, :]
+    tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
+
+
+@triton.jit
+def _router_logits_split_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden, k_per_split, stride_xt,
+                                stride_we, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                                IEEE: tl.constexpr, PDL: tl.constexpr):
+    """part[s, t, e] = sum over k in split s of x[t, k] * w[e, k] for bf16 x and float32 w: w's tile split into
+    three bf16 parts (w - part 1 - part 2 - part 3 is below float32 rounding), each product exact, summed in
+    float32. Every token in one tile. IEEE: the parts' dots in float32 instead (the interpreter's bf16 dots are
+    unreliable; the products are the same)."""
+    pdl.begin(PDL)
+    pe, split = tl.program_id(0), tl.program_id(1)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
+    offs_k = tl.arange(0, BLOCK_K)
+    tmask, emask = offs_t < num_tokens, offs_e < num_experts
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    k_end = tl.minimum(split * k_per_split + k_per_split, hidden)
+    pdl.wait(PDL)
+    for k0 in range(split * k_per_split, k_end, BLOCK_K):
+        kmask = (k0 + offs_k) < k_end
+        w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + (k0 + offs_k)[None, :],
+                    mask=emask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + (k0 + offs_k)[None, :],
+                    mask=tmask[:, None] & kmask[None, :], other=0.0)
+        w1 = w.to(tl.bfloat16)
+        rest = w - w1.to(tl.float32)
+        w2 = rest.to(tl.bfloat16)
+        w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
+        if IEEE:
+            xf = x.to(tl.float32)
+            acc = tl.dot(xf, tl.trans(w1.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(xf, tl.trans(w2.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(xf, tl.trans(w3.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w1), acc)
+            acc = tl.dot(x, tl.trans(w2), acc)
+            acc = tl.dot(x, tl.trans(w3), acc)
     out = part_ptr + (split * num_tokens + offs_t.to(tl.int64))[:, None] * num_experts + offs_e[None, :]
     tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
 
@@ -162,22 +207,34 @@ _ROUTER_TILE = 16  # tokens and experts per program (the float32 dot's smallest 
 _ROUTER_K = 128
 SELECT_WARPS = 1  # one warp per token: its reductions stay in shuffles (H200: 3.3 us against 4.9 with four)
 DOT_WARPS = 2  # a 16 x 16 dot tile a program (H200, 4-16 tokens: 6.5 us against 7.9 with four warps)
-ROUTER_PARTIAL_TOKENS = 32  # up to this many tokens the partial-sum kernel beats cuBLAS (H200, 256 x 6144)
+ROUTER_PARTIAL_TOKENS = 32  # up to this many tokens the tf32x3 partial sums beat cuBLAS (H200, 256 x 6144)
+ROUTER_SPLIT_TOKENS = 128  # up to this many bf16 tokens the bf16-split partial sums (one token tile)
+_SPLIT_E, _SPLIT_RANGES, _SPLIT_WARPS, _SPLIT_STAGES = 32, 12, 4, 3  # expert tile, K ranges, warps, stages
 ROUTER_FMA_TOKENS = 2  # up to this many tokens the partial sums are float32 products in registers, not dots
 _FMA_MAX_SPLITS = 64  # K ranges of those (GLM-5.3: 48 of 128 columns, 768 programs of one 16 x 128 tile)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTER_FMA_TOKENS) -> torch.Tensor:
     """x [T, H] (any float dtype) and a float32 weight [E, H] (the router's, or the indexer's head weights) ->
-    partial logits [S, T, E] float32 whose sum over S is x.float() @ weight.T; S is chosen so about two
-    programs run per SM. Up to `fma_tokens` tokens (one program per 128-column tile and token) come back
-    summed: S = 1."""
+    partial logits [S, T, E] float32 whose sum over S is x.float() @ weight.T. Up to `fma_tokens` tokens (one
+    program per 128-column tile and token) come back summed: S = 1; bf16 x up to `ROUTER_SPLIT_TOKENS` tokens
+    takes bf16-split dots over `_SPLIT_RANGES` K ranges; other x tf32x3 dots, S chosen so about two programs
+    run per SM."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     if weight.shape[1] != hidden or weight.dtype != torch.float32 or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("router_logits needs x [T, H] and a float32 weight [E, H], both with unit last stride")
     fma = t <= fma_tokens
     blocks = triton.cdiv(hidden, _ROUTER_K)
+    if not fma and x.dtype == torch.bfloat16 and t <= ROUTER_SPLIT_TOKENS:
+        k_per_split = triton.cdiv(blocks, _SPLIT_RANGES) * _ROUTER_K
+        splits = triton.cdiv(hidden, k_per_split)
+        parts = torch.empty(splits, t, num_experts, dtype=torch.float32, device=x.device)
+        _router_logits_split_kernel[(triton.cdiv(num_experts, _SPLIT_E), splits)](
+            x, weight, parts, t, num_experts, hidden, k_per_split, x.stride(0), weight.stride(0),
+            BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_E=_SPLIT_E, BLOCK_K=_ROUTER_K, IEEE=_interpreting(),
+            num_warps=_SPLIT_WARPS, num_stages=_SPLIT_STAGES, **pdl.launch_options(x.device))
+        return parts
     if fma:  # every weight tile loaded at once, one per program: a single memory round trip
         splits = min(blocks, _FMA_MAX_SPLITS)
     else:

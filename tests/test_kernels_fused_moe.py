@@ -91,8 +91,10 @@ def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int, al) -> No
 
 
 @pytest.mark.parametrize("t, k, e, block_m", [
-    (1, 8, 256, 16), (5, 2, 8, 16), (33, 2, 8, 16), (64, 8, 256, 16), (70, 2, 8, 64), (300, 8, 16, 32),
-    (20, 9, 257, 16),  # GLM's routed experts plus the folded shared expert: 512 expert lanes
+    (1, 8, 256, 16), (5, 2, 8, 16), (33, 2, 8, 16), (70, 2, 8, 64),  # one program, sub-block passes
+    (64, 8, 256, 16), (300, 8, 16, 32), (64, 9, 257, 16),  # one program, sorted (GLM: 256 routed + 1 shared)
+    (20, 9, 257, 16),  # the shared expert folded in: 512 expert lanes
+    (520, 8, 16, 16),  # the multi-program count and scatter
 ])
 def test_moe_align_matches_twin(t, k, e, block_m):
     _, ids = random_routing(t, k, e, _gen("align", t, k, e, block_m))
@@ -104,11 +106,12 @@ def test_moe_align_matches_twin(t, k, e, block_m):
 
 def test_moe_align_edge_cases():
     e, bm = 8, 16
-    # Every slot on one expert (several blocks, several chunks), int32 ids.
-    ids = torch.full((150, 2), 3, dtype=torch.int32)
-    al = moe_align(ids, e, bm)
-    check_alignment(ids, e, bm, al)
-    assert (al.expert_of_block[: int(al.num_padded.item()) // bm] == 3).all()
+    # Every slot on one expert (several blocks; one sorted program, then several chunks), int32 ids.
+    for tokens in (150, 2100):
+        ids = torch.full((tokens, 2), 3, dtype=torch.int32)
+        al = moe_align(ids, e, bm)
+        check_alignment(ids, e, bm, al)
+        assert (al.expert_of_block[: int(al.num_padded.item()) // bm] == 3).all()
     # Two experts in use, the others empty; the sizes depend only on (T, k, E, block_m).
     ids2 = torch.tensor([[0, 5], [5, 0], [0, 5]])
     al2 = moe_align(ids2, e, bm)

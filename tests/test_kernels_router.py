@@ -14,7 +14,7 @@ import torch  # noqa: E402
 from engine.layers import Router  # noqa: E402
 from engine.model_config import ModelConfig  # noqa: E402
 from engine.tiny import TINY_CONFIG  # noqa: E402
-from kernels.router import ROUTER_FMA_TOKENS, route, router_logits  # noqa: E402
+from kernels.router import ROUTER_FMA_TOKENS, ROUTER_SPLIT_TOKENS, route, router_logits  # noqa: E402
 
 
 @pytest.mark.parametrize(("experts", "groups", "topk_group", "k"), [(8, 2, 1, 2), (16, 4, 2, 4), (256, 1, 1, 8)])
@@ -77,3 +77,17 @@ def test_router_logits_sum_to_the_float32_product(tokens: int, experts: int, hid
         want_w, want_ids = route(parts.sum(0), bias, 1, 1, 4, True, 2.5, experts)
         assert got_ids.dtype == torch.int32 and torch.equal(got_ids, want_ids)
         torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("tokens", [3, 40, ROUTER_SPLIT_TOKENS])
+def test_bf16_split_logits_are_the_exact_products(tokens: int) -> None:
+    """bf16 activations up to ROUTER_SPLIT_TOKENS: the weight's three bf16 parts make every product exact, so
+    the sum is the float64 product to float32 summation error, far inside tf32's 1e-3 (weights of full
+    float32 precision and mixed magnitudes)."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 640, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(48, 640, generator=gen) * torch.logspace(-4, 0, 640)
+    parts = router_logits(x, weight)
+    want = x.double() @ weight.double().T
+    assert parts.shape[0] > 1
+    assert (parts.sum(0).double() - want).abs().max() <= 1e-6 * want.abs().max()
