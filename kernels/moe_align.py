@@ -8,15 +8,12 @@ one expert. Output sizes depend only on (T*k, E, block_m) (`moe_align_sizes`),
 never on the routing; no host synchronisation: CUDA-graph capturable. Ids
 outside [0, E) are left out (a rank without an expert passes -1).
 
-Launches: one program for T*k <= SMALL_ALIGN (small decode batches): two passes
-over the slots in sub-blocks, a histogram of the experts, then each slot's
-place from its expert's next free position (gathered from registers) plus its
-rank among the sub-block's earlier slots of that expert. Up to SORTED_ALIGN
-(larger decode batches) one program holds every slot: a histogram gives each
-expert's padded start, a bitonic sort of (expert, slot) keys gives each slot's
-rank (its sorted index less its expert's first); the sub-block passes grow
-with the slots, the sort only with their logarithm. Above that, a per-chunk
-count launch and a scatter launch. Deterministic: no atomics decide an order. Contents: the PyTorch twin `moe_align_ref`, the Triton kernels and
+Launches: one program for T*k <= SORTED_ALIGN (decode batches): every slot
+held at once, a histogram gives each expert's padded start and a bitonic sort
+of (expert, slot) keys each slot's rank within its expert (its sorted index
+less the slots of lower experts). Above that (the sort's stages outgrow one
+program), a per-chunk count launch and a scatter launch. Deterministic: no
+atomics decide an order. Contents: the PyTorch twin `moe_align_ref`, the Triton kernels and
 the launcher `moe_align`.
 """
 
@@ -34,9 +31,9 @@ from kernels.fp8_gemm import _interpreting
 
 ID_DTYPES = (torch.int32, torch.int64)
 ALIGN_CHUNK = 128  # slots per program of the multi-program alignment (prefill chunks)
-SMALL_ALIGN = 256  # up to this many slots one program aligns them all (H200, two warps: 4.6 us at 9 slots,
-# 7.9 at 72, 12.8 at 252, against 21-22 us for the two launches)
-SORTED_ALIGN = 4096  # up to this many slots one program sorts them (every slot held in registers)
+SORTED_ALIGN = 1024  # up to this many slots one program sorts them (H200, E = 257: 4.8 us at 9 slots, 7.9 at
+# 288-432, 10.5 at 576, against 5.0 / 15.6-20.4 / 24.9 for passes over 64-slot sub-blocks and 21-23 for the
+# count and scatter launches, which win from 1,152 slots: 22.9 against 24.8)
 
 
 class MoEAlignment(NamedTuple):
@@ -173,45 +170,6 @@ def _align_scatter_kernel(
         tl.store(npad_ptr, num_padded)
 
 
-@triton.jit(do_not_specialize=["num_slots", "max_padded", "max_blocks"])
-def _align_small_kernel(
-    ids_ptr, sorted_ptr, eob_ptr, npad_ptr,
-    num_slots, num_experts, max_padded, max_blocks, top_k, stride_it, stride_ij,
-    BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, SUB: tl.constexpr, TAIL: tl.constexpr, PAD: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One program: every slot's place in sorted order. BLOCK_E > num_experts; the last lane counts the
-    slots left out (ids outside [0, E) and the sub-blocks' tails), which are never stored."""
-    pdl.begin(PDL)
-    pdl.wait(PDL)
-    ex = tl.arange(0, BLOCK_E)
-    sub = tl.arange(0, SUB)
-    spare = BLOCK_E - 1
-    total = tl.zeros([BLOCK_E], dtype=tl.int32)
-    for s0 in range(0, num_slots, SUB):
-        e, ok = _load_ids(ids_ptr, s0 + sub, num_slots, num_experts, top_k, stride_it, stride_ij)
-        total += tl.histogram(tl.where(ok, e, spare), BLOCK_E)
-    total = tl.where(ex < num_experts, total, 0)
-    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    num_padded = tl.sum(padded, axis=0)
-
-    # Slots in order: the expert's next free place plus the rank among this sub-block's earlier slots of it.
-    free = starts
-    for s0 in range(0, num_slots, SUB):
-        e, ok = _load_ids(ids_ptr, s0 + sub, num_slots, num_experts, top_k, stride_it, stride_ij)
-        key = tl.where(ok, e, spare)
-        earlier = (key[:, None] == key[None, :]) & (sub[None, :] < sub[:, None])
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
-        pos = tl.gather(free, key, 0) + rank
-        tl.store(sorted_ptr + pos, s0 + sub, mask=ok)
-        free += tl.histogram(key, BLOCK_E)
-
-    _store_padding(sorted_ptr, eob_ptr, npad_ptr, total, padded, starts, num_padded, num_slots, max_padded,
-                   max_blocks, ex, BLOCK_M, TAIL, PAD)
-
-
 @triton.jit
 def _store_padding(sorted_ptr, eob_ptr, npad_ptr, total, padded, starts, num_padded, num_slots, max_padded,
                    max_blocks, ex, BLOCK_M: tl.constexpr, TAIL: tl.constexpr, PAD: tl.constexpr):
@@ -299,19 +257,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
         return MoEAlignment(sorted_ids, eob, num_padded)
     k = topk_ids.shape[1]
     si, sj = topk_ids.stride()
-    if n <= SMALL_ALIGN:
-        _align_small_kernel[(1,)](
-            topk_ids, sorted_ids, eob, num_padded, n, num_experts, max_padded, max_blocks, k, si, sj,
-            BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, SUB=16 if n <= 16 else 64,
-            TAIL=1024, PAD=16, num_warps=2, **pdl.launch_options(topk_ids.device)
-        )
-        return MoEAlignment(sorted_ids, eob, num_padded)
     if n <= SORTED_ALIGN:
-        block_n = triton.next_power_of_2(n)
+        block_n = max(16, triton.next_power_of_2(n))
         _align_sorted_kernel[(1,)](
             topk_ids, sorted_ids, eob, num_padded, n, num_experts, max_padded, max_blocks, k, si, sj,
             BLOCK_N=block_n, BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, TAIL=1024, PAD=16,
-            num_warps=min(16, max(4, block_n // 128)), **pdl.launch_options(topk_ids.device)
+            num_warps=4 if block_n <= 512 else 8, **pdl.launch_options(topk_ids.device)
         )
         return MoEAlignment(sorted_ids, eob, num_padded)
     block_e = max(32, triton.next_power_of_2(num_experts))

@@ -21,12 +21,13 @@ cuBLAS, as IEEE dots in another order) on tensor cores, a 16 x 16 tile a program
 tokens and 9.9 at 32 on an H200 (7.9 and 13.0 with four warps), where cuBLAS takes 6-19 us and IEEE dots in
 Triton 17-32 us. Float32 products for a block of tokens a program (its weight tile loaded once) measured slower
 than the dots from two tokens on: the time is the chain of load, partial store and last range's sum, not the
-bytes. bf16 activations (every serving decode batch) take bf16 dots instead: the weight tile is split in
-registers into three bf16 parts whose sum is the float32 weight (8 + 8 + 8 significant bits), and a bf16
-activation times a bf16 part is exact in float32, so three bf16 dots accumulating in float32 give the IEEE
-product in another summation order, at half the tensor-core work of tf32x3; one tile holds every token (up to
-`ROUTER_SPLIT_TOKENS`), so the weight is read once. Other activations take tf32x3 up to
-`ROUTER_PARTIAL_TOKENS` tokens, and from there cuBLAS computes the logits whole. Up to
+bytes. From `ROUTER_PARTIAL_TOKENS` up, bf16 activations (a serving decode batch) take bf16 dots instead, to
+`ROUTER_SPLIT_TOKENS`: the weight tile is split in registers into three bf16 parts whose sum is the float32
+weight (8 + 8 + 8 significant bits), each bf16 activation times a part is exact, and one tile holds every
+token, so the weight is read once: 11.9 us with the selection at 64 tokens and 13-14 at 128 on an H200, where
+cuBLAS's float32 GEMM takes 24-29. The tensor core's float32 accumulation is not IEEE: 6-7e-6 absolute at
+GLM-5.3's shapes over 256-deep ranges (1.1e-5 over 512), against cuBLAS's 2e-6. Other activations, and more
+tokens, take cuBLAS. Up to
 `ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32 products summed in registers, one token per
 program (no mostly empty 16-row dot tiles); a caller may raise that bound (`fma_tokens`): the indexer's head
 weights, [32, 6144] float32, take it up to 64 rows (engine/attention.py).
@@ -72,9 +73,9 @@ def _router_logits_split_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts,
                                 stride_we, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                                 IEEE: tl.constexpr, PDL: tl.constexpr):
     """part[s, t, e] = sum over k in split s of x[t, k] * w[e, k] for bf16 x and float32 w: w's tile split into
-    three bf16 parts (w - part 1 - part 2 - part 3 is below float32 rounding), each product exact, summed in
-    float32. Every token in one tile. IEEE: the parts' dots in float32 instead (the interpreter's bf16 dots are
-    unreliable; the products are the same)."""
+    three bf16 parts (w - part 1 - part 2 - part 3 is below float32 rounding), each product exact, accumulated
+    by the tensor core in float32. Every token in one tile. IEEE: the parts' dots as float32 IEEE dots instead
+    (the interpreter's bf16 dots are unreliable; the products are the same)."""
     pdl.begin(PDL)
     pe, split = tl.program_id(0), tl.program_id(1)
     offs_t = tl.arange(0, BLOCK_T)
@@ -208,8 +209,8 @@ _ROUTER_K = 128
 SELECT_WARPS = 1  # one warp per token: its reductions stay in shuffles (H200: 3.3 us against 4.9 with four)
 DOT_WARPS = 2  # a 16 x 16 dot tile a program (H200, 4-16 tokens: 6.5 us against 7.9 with four warps)
 ROUTER_PARTIAL_TOKENS = 32  # up to this many tokens the tf32x3 partial sums beat cuBLAS (H200, 256 x 6144)
-ROUTER_SPLIT_TOKENS = 128  # up to this many bf16 tokens the bf16-split partial sums (one token tile)
-_SPLIT_E, _SPLIT_RANGES, _SPLIT_WARPS, _SPLIT_STAGES = 32, 12, 4, 3  # expert tile, K ranges, warps, stages
+ROUTER_SPLIT_TOKENS = 128  # from there up to this many bf16 tokens the bf16-split partial sums (one token tile)
+_SPLIT_E, _SPLIT_RANGES, _SPLIT_WARPS, _SPLIT_STAGES = 32, 24, 4, 3  # expert tile, K ranges, warps, stages
 ROUTER_FMA_TOKENS = 2  # up to this many tokens the partial sums are float32 products in registers, not dots
 _FMA_MAX_SPLITS = 64  # K ranges of those (GLM-5.3: 48 of 128 columns, 768 programs of one 16 x 128 tile)
 
@@ -217,16 +218,16 @@ _FMA_MAX_SPLITS = 64  # K ranges of those (GLM-5.3: 48 of 128 columns, 768 progr
 def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTER_FMA_TOKENS) -> torch.Tensor:
     """x [T, H] (any float dtype) and a float32 weight [E, H] (the router's, or the indexer's head weights) ->
     partial logits [S, T, E] float32 whose sum over S is x.float() @ weight.T. Up to `fma_tokens` tokens (one
-    program per 128-column tile and token) come back summed: S = 1; bf16 x up to `ROUTER_SPLIT_TOKENS` tokens
-    takes bf16-split dots over `_SPLIT_RANGES` K ranges; other x tf32x3 dots, S chosen so about two programs
-    run per SM."""
+    program per 128-column tile and token) come back summed: S = 1; bf16 x of more than `ROUTER_PARTIAL_TOKENS`
+    tokens takes bf16-split dots over `_SPLIT_RANGES` K ranges; other x tf32x3 dots, S chosen so about two
+    programs run per SM."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     if weight.shape[1] != hidden or weight.dtype != torch.float32 or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("router_logits needs x [T, H] and a float32 weight [E, H], both with unit last stride")
     fma = t <= fma_tokens
     blocks = triton.cdiv(hidden, _ROUTER_K)
-    if not fma and x.dtype == torch.bfloat16 and t <= ROUTER_SPLIT_TOKENS:
+    if not fma and x.dtype == torch.bfloat16 and ROUTER_PARTIAL_TOKENS < t <= ROUTER_SPLIT_TOKENS:
         k_per_split = triton.cdiv(blocks, _SPLIT_RANGES) * _ROUTER_K
         splits = triton.cdiv(hidden, k_per_split)
         parts = torch.empty(splits, t, num_experts, dtype=torch.float32, device=x.device)
