@@ -24,8 +24,8 @@ than the dots from two tokens on: the time is the chain of load, partial store a
 bytes. From `ROUTER_PARTIAL_TOKENS` up, bf16 activations (a serving decode batch) take bf16 dots instead, to
 `ROUTER_SPLIT_TOKENS`: the weight tile is split in registers into three bf16 parts whose sum is the float32
 weight (8 + 8 + 8 significant bits), each bf16 activation times a part is exact, and one tile holds every
-token, so the weight is read once: 11.9 us with the selection at 64 tokens and 13-14 at 128 on an H200, where
-cuBLAS's float32 GEMM takes 24-29. The tensor core's float32 accumulation is not IEEE: 6-7e-6 absolute at
+token, so the weight is read once: 11.9 us with the selection at 64 tokens on an H200 (13.4-14.4 at 128 with the
+neighbouring tile choices), where cuBLAS's float32 GEMM takes 24-29. The tensor core's float32 accumulation is not IEEE: 6-7e-6 absolute at
 GLM-5.3's shapes over 256-deep ranges (1.1e-5 over 512), against cuBLAS's 2e-6. Other activations, and more
 tokens, take cuBLAS. Up to
 `ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32 products summed in registers, one token per
