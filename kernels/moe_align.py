@@ -8,13 +8,13 @@ one expert. Output sizes depend only on (T*k, E, block_m) (`moe_align_sizes`),
 never on the routing; no host synchronisation: CUDA-graph capturable. Ids
 outside [0, E) are left out (a rank without an expert passes -1).
 
-Launches: one program for T*k <= SORTED_ALIGN (decode batches): every slot
-held at once, a histogram gives each expert's padded start and a bitonic sort
-of (expert, slot) keys each slot's rank within its expert (its sorted index
-less the slots of lower experts). Above that (the sort's stages outgrow one
+Launches: one program for T*k <= SORTED_ALIGN (decode batches): every slot held
+at once, a histogram gives each expert's padded start and a bitonic sort of
+(expert, slot) keys each slot's rank within its expert (its sorted index less
+the slots of lower experts). Above that (the sort's stages outgrow one
 program), a per-chunk count launch and a scatter launch. Deterministic: no
-atomics decide an order. Contents: the PyTorch twin `moe_align_ref`, the Triton kernels and
-the launcher `moe_align`.
+atomics decide an order. Contents: the PyTorch twin `moe_align_ref`, the Triton
+kernels and the launcher `moe_align`.
 """
 
 from __future__ import annotations

@@ -22,15 +22,14 @@ tokens and 9.9 at 32 on an H200 (7.9 and 13.0 with four warps), where cuBLAS tak
 Triton 17-32 us. Float32 products for a block of tokens a program (its weight tile loaded once) measured slower
 than the dots from two tokens on: the time is the chain of load, partial store and last range's sum, not the
 bytes. From `ROUTER_PARTIAL_TOKENS` up, bf16 activations (a serving decode batch) take bf16 dots instead, to
-`ROUTER_SPLIT_TOKENS`: the weight tile is split in registers into three bf16 parts whose sum is the float32
-weight (8 + 8 + 8 significant bits), each bf16 activation times a part is exact, and one tile holds every
-token, so the weight is read once: 11.9 us with the selection at 64 tokens on an H200 (13.4-14.4 at 128 with the
-neighbouring tile choices), where cuBLAS's float32 GEMM takes 24-29. The tensor core's float32 accumulation is not IEEE: 6-7e-6 absolute at
-GLM-5.3's shapes over 256-deep ranges (1.1e-5 over 512), against cuBLAS's 2e-6. Other activations, and more
-tokens, take cuBLAS. Up to
-`ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32 products summed in registers, one token per
-program (no mostly empty 16-row dot tiles); a caller may raise that bound (`fma_tokens`): the indexer's head
-weights, [32, 6144] float32, take it up to 64 rows (engine/attention.py).
+`ROUTER_SPLIT_TOKENS`: the weight tile is split in registers into three bf16 parts whose sum is the float32 weight
+(8 + 8 + 8 significant bits), each bf16 activation times a part is exact, and one tile holds every token, so the
+weight is read once: 11.9 us with the selection at 64 tokens on an H200 (13.4-14.4 at 128 with the neighbouring
+tile choices), where cuBLAS's float32 GEMM takes 24-29. The tensor core's float32 accumulation is not IEEE: 6-7e-6
+absolute at GLM-5.3's shapes over 256-deep ranges (1.1e-5 over 512), against cuBLAS's 2e-6. Other activations, and
+more tokens, take cuBLAS. Up to `ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32 products summed in
+registers, one token per program (no mostly empty 16-row dot tiles); a caller may raise that bound (`fma_tokens`):
+the indexer's head weights, [32, 6144] float32, take it up to 64 rows (engine/attention.py).
 """
 
 from __future__ import annotations
