@@ -98,7 +98,7 @@ class EngineServer:
                 async for output in outputs:
                     if first_token_at is None:
                         first_token_at = time.monotonic()
-                    prompt_tokens, output_tokens = output.num_prompt_tokens, len(output.token_ids)
+                    prompt_tokens, output_tokens = output.num_prompt_tokens, output.num_output_tokens
                     reason = output.finish_reason or reason
                     yield GenerateChunk.of(output)
         except InvalidRequestError as exc:

@@ -43,7 +43,7 @@ class GenerateChunk:
             finish_reason=output.finish_reason,
             num_prompt_tokens=output.num_prompt_tokens,
             num_cached_tokens=output.num_cached_tokens,
-            num_output_tokens=len(output.token_ids),
+            num_output_tokens=output.num_output_tokens,
         )
 
     @classmethod

@@ -55,11 +55,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
-    """What a request produced in one step (deltas) and so far (totals)."""
+    """What a request produced in one step (deltas) and so far (totals). The tokens so far are the request's
+    output list, which only grows, read up to this output's count: a copy of them in every output of every
+    step grew with the output (5 us a request at 4,000 tokens on this project's CPU, 0.3 ms a step at B = 64)."""
 
     request_id: str
     new_token_ids: list[int]
-    token_ids: list[int]
+    output_tokens: list[int]  # the request's output list (append-only), this output's tokens first
+    num_output_tokens: int
     text_delta: str
     text: str
     finished: bool
@@ -67,6 +70,11 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None  # why the engine ended this request (finish_reason "error"); None otherwise
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token the request produced up to this output."""
+        return self.output_tokens[: self.num_output_tokens]
 
 
 @dataclass
@@ -468,7 +476,8 @@ class LLMEngine:
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=[],
-            token_ids=list(req.output_token_ids),
+            output_tokens=req.output_token_ids,
+            num_output_tokens=len(req.output_token_ids),
             text_delta="",
             text=text,
             finished=True,
@@ -500,7 +509,8 @@ class LLMEngine:
         output = RequestOutput(
             request_id=req.request_id,
             new_token_ids=[token],
-            token_ids=list(req.output_token_ids),
+            output_tokens=req.output_token_ids,
+            num_output_tokens=len(req.output_token_ids),
             text_delta=delta,
             text=state.text[:delta_end],
             finished=reason is not None,

@@ -27,6 +27,10 @@ def test_streams_tokens_as_they_arrive(engine: AsyncEngine) -> None:
     outputs = asyncio.run(run())
     assert len(outputs) == 6
     assert [len(o.token_ids) for o in outputs] == [1, 2, 3, 4, 5, 6]
+    # each output keeps the tokens up to it, read after the request finished
+    assert [o.token_ids for o in outputs] == [outputs[-1].token_ids[: i + 1] for i in range(6)]
+    assert [o.new_token_ids[0] for o in outputs] == outputs[-1].token_ids
+    assert [o.num_output_tokens for o in outputs] == [1, 2, 3, 4, 5, 6]
     assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
     assert "".join(o.text_delta for o in outputs) == outputs[-1].text
 
