@@ -15,7 +15,7 @@ from collections.abc import Callable
 from engine.kv_layout import KVLayout
 from residency.manager import ResidencyManager
 from residency.page_pool import PagePool, PageUse
-from residency.prefix_cache import PrefixCache, chain_hashes
+from residency.prefix_cache import PrefixCache, chain_hashes, hashes_after
 from engine.request import Request
 
 
@@ -227,7 +227,8 @@ class KVCacheManager:
         computed = min(req.num_computed_tokens, req.num_known_tokens)  # a pending token's id is not known yet
         full = computed // self.page_size
         if len(req.page_hashes) < full:
-            req.page_hashes += chain_hashes(req.all_token_ids[: full * self.page_size], self.page_size, req.page_hashes)
+            first, parent = len(req.page_hashes) * self.page_size, req.page_hashes[-1] if req.page_hashes else None
+            req.page_hashes += hashes_after(parent, req.token_ids(first, full * self.page_size), self.page_size)
         if not self.enable_prefix_cache:
             return
         start = req.num_registered_pages

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from residency.page_pool import OutOfPages, PagePool, PageUse
-from residency.prefix_cache import PrefixCache, chain_hashes
+from residency.prefix_cache import PrefixCache, chain_hashes, hashes_after
 
 
 def make_cache(num_pages: int) -> PrefixCache:
@@ -49,6 +49,10 @@ def test_chain_hashes_identify_whole_prefixes() -> None:
     c = chain_hashes([9, 9, 9, 9, 4, 5, 6, 7], 4)
     assert c[1] != a[1]  # same page tokens, different prefix
     assert chain_hashes(list(range(12)), 4, a) == chain_hashes(list(range(12)), 4)[2:]
+    # a request's next pages hash from the last page's hash and their own tokens only (a partial page: none)
+    whole = chain_hashes(list(range(21)), 4)
+    assert hashes_after(whole[1], list(range(8, 21)), 4) == whole[2:] and hashes_after(None, [0, 1, 2], 4) == []
+    assert hashes_after(None, list(range(21)), 4) == whole
 
 
 def test_cached_pages_are_evicted_least_recently_released_first() -> None:
