@@ -20,7 +20,7 @@ from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations
 from kernels.fused_moe import fused_moe, fused_moe_ref
 from kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_fp8
 from kernels.rope import rope
-from kernels.router import ROUTER_PARTIAL_TOKENS, ROUTER_SPLIT_TOKENS, route, router_logits
+from kernels.router import partial_tokens, route, router_logits
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -139,8 +139,7 @@ class Router(nn.Module):
         that expert with weight 1 for every token (k' = k + 1). Two kernels on a GPU: the float32 logits (in
         partial sums for a decode batch, kernels/router.py), then the selection (int32 ids there)."""
         cfg = self.cfg
-        partial_tokens = ROUTER_SPLIT_TOKENS if x.dtype == torch.bfloat16 else ROUTER_PARTIAL_TOKENS
-        if x.is_cuda and x.shape[0] <= partial_tokens:
+        if x.is_cuda and x.shape[0] <= partial_tokens(x.dtype):
             logits = router_logits(x, self.weight.float())
         else:
             logits = F.linear(x.float(), self.weight.float())

@@ -45,8 +45,9 @@ from kernels.fp8_gemm import _arrival_counters, _interpreting, _num_sms
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden, k_per_split,
                           stride_xt, stride_we, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PDL: tl.constexpr):
-    """part[s, t, e] = sum over k in split s of x[t, k] * w[e, k], in float32 (tf32x3 dots)."""
+                          BF16_PARTS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """part[s, t, e] = sum over k in split s of x[t, k] * w[e, k], in float32: tf32x3 dots, or with BF16_PARTS
+    (bf16 x) the dots of `_bf16_parts_dot`."""
     pdl.begin(PDL)
     pdl.wait(PDL)
     pe, pt, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -59,52 +60,33 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidde
     for k0 in range(split * k_per_split, k_end, BLOCK_K):
         kmask = (k0 + offs_k) < k_end
         x = tl.load(x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + (k0 + offs_k)[None, :],
-                    mask=tmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                    mask=tmask[:, None] & kmask[None, :], other=0.0)
+        if not BF16_PARTS:
+            x = x.to(tl.float32)
         w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + (k0 + offs_k)[None, :],
                     mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+        if BF16_PARTS:
+            acc = _bf16_parts_dot(x, w, acc, IEEE)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
     out = part_ptr + (split * num_tokens + offs_t.to(tl.int64))[:, None] * num_experts + offs_e[None, :]
     tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
 
 
 @triton.jit
-def _router_logits_split_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden, k_per_split, stride_xt,
-                                stride_we, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                                IEEE: tl.constexpr, PDL: tl.constexpr):
-    """part[s, t, e] = sum over k in split s of x[t, k] * w[e, k] for bf16 x and float32 w: w's tile split into
-    three bf16 parts (w - part 1 - part 2 - part 3 is below float32 rounding), each product exact, accumulated
-    by the tensor core in float32. Every token in one tile. IEEE: the parts' dots as float32 IEEE dots instead
-    (the interpreter's bf16 dots are unreliable; the products are the same)."""
-    pdl.begin(PDL)
-    pe, split = tl.program_id(0), tl.program_id(1)
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
-    offs_k = tl.arange(0, BLOCK_K)
-    tmask, emask = offs_t < num_tokens, offs_e < num_experts
-    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    k_end = tl.minimum(split * k_per_split + k_per_split, hidden)
-    pdl.wait(PDL)
-    for k0 in range(split * k_per_split, k_end, BLOCK_K):
-        kmask = (k0 + offs_k) < k_end
-        w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + (k0 + offs_k)[None, :],
-                    mask=emask[:, None] & kmask[None, :], other=0.0)
-        x = tl.load(x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + (k0 + offs_k)[None, :],
-                    mask=tmask[:, None] & kmask[None, :], other=0.0)
-        w1 = w.to(tl.bfloat16)
-        rest = w - w1.to(tl.float32)
-        w2 = rest.to(tl.bfloat16)
-        w3 = (rest - w2.to(tl.float32)).to(tl.bfloat16)
+def _bf16_parts_dot(x, w, acc, IEEE: tl.constexpr):
+    """acc + x @ w.T for bf16 x and float32 w: w split into three bf16 parts (what remains after them is below
+    float32 rounding), each product exact, accumulated by the tensor core in float32. IEEE: the parts' dots as
+    float32 IEEE dots instead (the interpreter's bf16 dots are unreliable; the products are the same)."""
+    rest = w
+    for _ in tl.static_range(3):
+        part = rest.to(tl.bfloat16)
+        rest = rest - part.to(tl.float32)
         if IEEE:
-            xf = x.to(tl.float32)
-            acc = tl.dot(xf, tl.trans(w1.to(tl.float32)), acc, input_precision="ieee")
-            acc = tl.dot(xf, tl.trans(w2.to(tl.float32)), acc, input_precision="ieee")
-            acc = tl.dot(xf, tl.trans(w3.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(x.to(tl.float32), tl.trans(part.to(tl.float32)), acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, tl.trans(w1), acc)
-            acc = tl.dot(x, tl.trans(w2), acc)
-            acc = tl.dot(x, tl.trans(w3), acc)
-    out = part_ptr + (split * num_tokens + offs_t.to(tl.int64))[:, None] * num_experts + offs_e[None, :]
-    tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
+            acc = tl.dot(x, tl.trans(part), acc)
+    return acc
 
 
 @triton.jit
@@ -209,9 +191,14 @@ SELECT_WARPS = 1  # one warp per token: its reductions stay in shuffles (H200: 3
 DOT_WARPS = 2  # a 16 x 16 dot tile a program (H200, 4-16 tokens: 6.5 us against 7.9 with four warps)
 ROUTER_PARTIAL_TOKENS = 32  # up to this many tokens the tf32x3 partial sums beat cuBLAS (H200, 256 x 6144)
 ROUTER_SPLIT_TOKENS = 128  # from there up to this many bf16 tokens the bf16-split partial sums (one token tile)
-_SPLIT_E, _SPLIT_RANGES, _SPLIT_WARPS, _SPLIT_STAGES = 32, 24, 4, 3  # expert tile, K ranges, warps, stages
+_SPLIT_E, _SPLIT_RANGES, _SPLIT_WARPS = 32, 24, 4  # their expert tile, K ranges and warps
 ROUTER_FMA_TOKENS = 2  # up to this many tokens the partial sums are float32 products in registers, not dots
 _FMA_MAX_SPLITS = 64  # K ranges of those (GLM-5.3: 48 of 128 columns, 768 programs of one 16 x 128 tile)
+
+
+def partial_tokens(dtype: torch.dtype) -> int:
+    """The most tokens of activations of `dtype` whose logits `router_logits` computes faster than cuBLAS."""
+    return ROUTER_SPLIT_TOKENS if dtype == torch.bfloat16 else ROUTER_PARTIAL_TOKENS
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTER_FMA_TOKENS) -> torch.Tensor:
@@ -225,18 +212,12 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTE
     if weight.shape[1] != hidden or weight.dtype != torch.float32 or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError("router_logits needs x [T, H] and a float32 weight [E, H], both with unit last stride")
     fma = t <= fma_tokens
+    bf16_parts = not fma and x.dtype == torch.bfloat16 and ROUTER_PARTIAL_TOKENS < t <= ROUTER_SPLIT_TOKENS
     blocks = triton.cdiv(hidden, _ROUTER_K)
-    if not fma and x.dtype == torch.bfloat16 and ROUTER_PARTIAL_TOKENS < t <= ROUTER_SPLIT_TOKENS:
-        k_per_split = triton.cdiv(blocks, _SPLIT_RANGES) * _ROUTER_K
-        splits = triton.cdiv(hidden, k_per_split)
-        parts = torch.empty(splits, t, num_experts, dtype=torch.float32, device=x.device)
-        _router_logits_split_kernel[(triton.cdiv(num_experts, _SPLIT_E), splits)](
-            x, weight, parts, t, num_experts, hidden, k_per_split, x.stride(0), weight.stride(0),
-            BLOCK_T=max(16, triton.next_power_of_2(t)), BLOCK_E=_SPLIT_E, BLOCK_K=_ROUTER_K, IEEE=_interpreting(),
-            num_warps=_SPLIT_WARPS, num_stages=_SPLIT_STAGES, **pdl.launch_options(x.device))
-        return parts
     if fma:  # every weight tile loaded at once, one per program: a single memory round trip
         splits = min(blocks, _FMA_MAX_SPLITS)
+    elif bf16_parts:
+        splits = _SPLIT_RANGES
     else:
         tiles = triton.cdiv(num_experts, _ROUTER_TILE) * triton.cdiv(t, _ROUTER_TILE)
         splits = max(1, min(triton.cdiv(2 * _num_sms(x.device), tiles), blocks // 2, 16))
@@ -252,10 +233,14 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTE
             BLOCK_S=triton.next_power_of_2(splits), num_warps=4, **pdl.launch_options(x.device))
         return logits
     if t:
-        grid = (triton.cdiv(num_experts, _ROUTER_TILE), triton.cdiv(t, _ROUTER_TILE), splits)
+        # bf16 parts: every token in one tile, so the weight is read once
+        block_t, block_e = (max(16, triton.next_power_of_2(t)), _SPLIT_E) if bf16_parts else (_ROUTER_TILE,) * 2
+        grid = (triton.cdiv(num_experts, block_e), triton.cdiv(t, block_t), splits)
         _router_logits_kernel[grid](x, weight, parts, t, num_experts, hidden, k_per_split, x.stride(0),
-                                    weight.stride(0), BLOCK_T=_ROUTER_TILE, BLOCK_E=_ROUTER_TILE,
-                                    BLOCK_K=_ROUTER_K, num_warps=DOT_WARPS, **pdl.launch_options(x.device))
+                                    weight.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_ROUTER_K,
+                                    BF16_PARTS=bf16_parts, IEEE=_interpreting(),
+                                    num_warps=_SPLIT_WARPS if bf16_parts else DOT_WARPS,
+                                    **pdl.launch_options(x.device))
     return parts
 
 
