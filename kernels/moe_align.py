@@ -170,31 +170,6 @@ def _align_scatter_kernel(
         tl.store(npad_ptr, num_padded)
 
 
-@triton.jit
-def _store_padding(sorted_ptr, eob_ptr, npad_ptr, total, padded, starts, num_padded, num_slots, max_padded,
-                   max_blocks, ex, BLOCK_M: tl.constexpr, TAIL: tl.constexpr, PAD: tl.constexpr):
-    """A one-program alignment's stores besides the slots: the sentinel after each expert's slots, the expert
-    of each block, then expert -1 and the sentinel past num_padded."""
-    pad_end = padded - total
-    for j0 in range(0, BLOCK_M, PAD):
-        col = j0 + tl.arange(0, PAD)
-        tl.store(sorted_ptr + (starts + total)[:, None] + col[None, :], num_slots,
-                 mask=col[None, :] < pad_end[:, None])
-    nblk = padded // BLOCK_M
-    sblk = starts // BLOCK_M
-    for r in range(0, tl.max(nblk, axis=0)):
-        tl.store(eob_ptr + sblk + r, ex, mask=r < nblk)
-    used_blocks = num_padded // BLOCK_M
-    for t0 in range(0, max_blocks, TAIL):
-        b = t0 + tl.arange(0, TAIL)
-        tl.store(eob_ptr + b, tl.full([TAIL], -1, tl.int32), mask=(b >= used_blocks) & (b < max_blocks))
-    for t0 in range(0, max_padded, TAIL):
-        p = t0 + tl.arange(0, TAIL)
-        tl.store(sorted_ptr + p, tl.zeros([TAIL], dtype=tl.int32) + num_slots,
-                 mask=(p >= num_padded) & (p < max_padded))
-    tl.store(npad_ptr, num_padded)
-
-
 @triton.jit(do_not_specialize=["num_slots", "max_padded", "max_blocks"])
 def _align_sorted_kernel(
     ids_ptr, sorted_ptr, eob_ptr, npad_ptr,
@@ -221,8 +196,26 @@ def _align_sorted_kernel(
     key_e = keys // BLOCK_N
     place = s + tl.gather(starts - below, tl.minimum(key_e, BLOCK_E - 1), 0)
     tl.store(sorted_ptr + place, keys % BLOCK_N, mask=key_e < num_experts)
-    _store_padding(sorted_ptr, eob_ptr, npad_ptr, total, padded, starts, num_padded, num_slots, max_padded,
-                   max_blocks, ex, BLOCK_M, TAIL, PAD)
+
+    # Padding after each expert's slots, its blocks' expert, then the unused tail.
+    pad_end = padded - total
+    for j0 in range(0, BLOCK_M, PAD):
+        col = j0 + tl.arange(0, PAD)
+        tl.store(sorted_ptr + (starts + total)[:, None] + col[None, :], num_slots,
+                 mask=col[None, :] < pad_end[:, None])
+    nblk = padded // BLOCK_M
+    sblk = starts // BLOCK_M
+    for r in range(0, tl.max(nblk, axis=0)):
+        tl.store(eob_ptr + sblk + r, ex, mask=r < nblk)
+    used_blocks = num_padded // BLOCK_M
+    for t0 in range(0, max_blocks, TAIL):
+        b = t0 + tl.arange(0, TAIL)
+        tl.store(eob_ptr + b, tl.full([TAIL], -1, tl.int32), mask=(b >= used_blocks) & (b < max_blocks))
+    for t0 in range(0, max_padded, TAIL):
+        p = t0 + tl.arange(0, TAIL)
+        tl.store(sorted_ptr + p, tl.zeros([TAIL], dtype=tl.int32) + num_slots,
+                 mask=(p >= num_padded) & (p < max_padded))
+    tl.store(npad_ptr, num_padded)
 
 
 def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool) -> None:
