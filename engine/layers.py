@@ -136,11 +136,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, shared_slot: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (weights [T, k'] float32, expert ids [T, k']): the top-k experts, then, with `shared_slot` >= 0,
-        that expert with weight 1 for every token (k' = k + 1). Two kernels on a GPU: the float32 logits (in
-        partial sums for a decode batch, kernels/router.py), then the selection (int32 ids there)."""
+        that expert with weight 1 for every token (k' = k + 1). The logits are x.float() @ weight.float().T
+        whatever the weight's dtype (the model's, as the reference holds it). Two kernels on a GPU: the float32
+        logits (in partial sums for a decode batch, kernels/router.py), then the selection (int32 ids there)."""
         cfg = self.cfg
         if x.is_cuda and x.shape[0] <= partial_tokens(x.dtype):
-            logits = router_logits(x, self.weight.float())
+            logits = router_logits(x, self.weight)
         else:
             logits = F.linear(x.float(), self.weight.float())
         if x.is_cuda:

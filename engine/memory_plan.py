@@ -79,7 +79,7 @@ def _moe_bytes(cfg: ModelConfig, expert: int, fmt: WeightFormat, d: int) -> int:
     slots = cfg.n_routed_experts + (1 if folded else 0)
     experts = slots * (linear_weight_bytes(2 * expert, h, fp8, d) + linear_weight_bytes(h, expert, fp8, d))
     shared = 0 if folded else _mlp_bytes(h, expert * cfg.n_shared_experts, fmt, d)
-    router = cfg.n_routed_experts * h * 4 + cfg.n_routed_experts * 4  # float32 weight (kept so) and bias
+    router = cfg.n_routed_experts * h * d + cfg.n_routed_experts * 4  # weight in the model dtype, float32 bias
     return experts + shared + router
 
 
@@ -104,8 +104,8 @@ def mtp_layer_bytes(cfg: ModelConfig, tp_size: int, fmt: WeightFormat, d: int) -
 def weight_bytes(cfg: ModelConfig, tp_size: int, fmt: WeightFormat, dtype: torch.dtype,
                  num_draft_layers: int = 0) -> int:
     """Bytes one tensor-parallel rank allocates for the model's weights, with `num_draft_layers` MTP layers:
-    the engine's own layout (FP8 values and scales, stacked experts, float32 router and indexer head
-    weights), so the memory plan counts what the GPU really holds."""
+    the engine's own layout (FP8 values and scales, stacked experts, float32 indexer head weights and
+    router biases), so the memory plan counts what the GPU really holds."""
     d = torch.finfo(dtype).bits // 8
     h = cfg.hidden_size
     heads = cfg.num_attention_heads // tp_size

@@ -23,7 +23,7 @@ from engine.attention_ops import AttentionOps
 from engine.decoder_layer import DecoderLayer
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
-from engine.layers import MoE, RMSNorm, RotaryEmbedding
+from engine.layers import RMSNorm, RotaryEmbedding
 from engine.linear import Fp8Linear, PlainLinear, WeightFormat
 from engine.model_config import ModelConfig
 from engine.mtp import MTPLayer
@@ -76,14 +76,14 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self.draft_lm_head: Fp8Linear | None = None  # set by `prepare_drafting` in an FP8 model
 
     def hold_float32_parts(self) -> None:
-        """Keeps in float32 what is computed in float32 whatever the model dtype: the indexer's head weights
-        (float32 as published) and the routers' weights (their scores; their bias is float32 already), so
-        no step converts them again. Called once the model is built, before its weights are set."""
+        """Keeps the indexer's head weights in float32 whatever the model dtype (float32 as published, and
+        so the reference holds them), so no step converts them. The routers' weights stay in the model dtype,
+        as the reference holds them (their logits are the float32 product of the two, their bias is float32
+        already): a bf16 weight is half the bytes a decode step streams, and its products with bf16
+        activations are exact in one bf16 dot. Called once the model is built, before its weights are set."""
         for layer in self.model.layers:  # the MTP layers too
             if layer.self_attn.indexer is not None:
                 layer.self_attn.indexer.weights_proj.float()
-            if isinstance(layer.mlp, MoE):
-                layer.mlp.gate.float()
 
     @torch.inference_mode()
     def prepare_drafting(self) -> None:

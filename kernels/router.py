@@ -11,25 +11,26 @@ that expert with weight 1 (the shared expert stacked with the routed ones). Scor
 reference; the weights' sum may round differently from torch's, so weights agree to float32 rounding,
 the chosen experts exactly (in order of decreasing score; the reference's order is unspecified).
 
-The logits themselves (`router_logits`) are the float32 product of the activations and the float32 router
-weight the reference computes, for decode batches as partial sums over K ranges spread across programs (a
-few rows against 256 x 6144 weights: a handful of programs would each stream megabytes), added in a fixed
-order by the selection launch, or, for a token or two, by the last range of each expert tile to arrive. The
-dots run as three TF32 products (`tf32x3`: the weight split into a TF32 head and tail; bf16 activations are
-exact in TF32), within float32 rounding of the IEEE product (2-3e-6 absolute at GLM-5.3's shapes against
-cuBLAS, as IEEE dots in another order) on tensor cores, a 16 x 16 tile a program of two warps: 6.5 us at 3-16
-tokens and 9.9 at 32 on an H200 (7.9 and 13.0 with four warps), where cuBLAS takes 6-19 us and IEEE dots in
-Triton 17-32 us. Float32 products for a block of tokens a program (its weight tile loaded once) measured slower
-than the dots from two tokens on: the time is the chain of load, partial store and last range's sum, not the
-bytes. From `ROUTER_PARTIAL_TOKENS` up, bf16 activations (a serving decode batch) take bf16 dots instead, to
-`ROUTER_SPLIT_TOKENS`: the weight tile is split in registers into three bf16 parts whose sum is the float32 weight
-(8 + 8 + 8 significant bits), each bf16 activation times a part is exact, and one tile holds every token, so the
-weight is read once: 11.9 us with the selection at 64 tokens on an H200 (13.4-14.4 at 128 with the neighbouring
-tile choices), where cuBLAS's float32 GEMM takes 24-29. The tensor core's float32 accumulation is not IEEE: 6-7e-6
-absolute at GLM-5.3's shapes over 256-deep ranges (1.1e-5 over 512), against cuBLAS's 2e-6. Other activations, and
-more tokens, take cuBLAS. Up to `ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32 products summed in
-registers, one token per program (no mostly empty 16-row dot tiles); a caller may raise that bound (`fma_tokens`):
-the indexer's head weights, [32, 6144] float32, take it up to 64 rows (engine/attention.py).
+The logits themselves (`router_logits`) are the float32 product the reference computes, x.float() @ w.float().T
+with the router weight in the model's dtype (bf16 for a serving model, as published), for decode batches as
+partial sums over K ranges spread across programs (a few rows against 256 x 6144 weights: a handful of programs
+would each stream megabytes), added in a fixed order by the selection launch, or, for a token or two, by the last
+range of each expert tile to arrive. Forms by activations and weight:
+- bf16 activations and a bf16 weight, up to `ROUTER_SPLIT_TOKENS` tokens: one bf16 dot a tile, every product
+  exact in float32, every token in one tile so the weight (3.1 MB at GLM-5.3) is read once: 7.1-8.9 us with
+  the selection at 4-128 tokens on an H200, where a float32 weight's forms take 10.6-16.5.
+- bf16 activations and a float32 weight, from `ROUTER_PARTIAL_TOKENS` up to `ROUTER_SPLIT_TOKENS`: the weight tile
+  split in registers into three bf16 parts whose sum is the weight (8 + 8 + 8 significant bits), each product
+  exact: 11.9 us with the selection at 64 tokens on an H200 (13.4-14.4 at 128), where cuBLAS takes 24-29.
+- otherwise three TF32 products (`tf32x3`: the weight split into a TF32 head and tail; bf16 activations are exact
+  in TF32), a 16 x 16 tile a program of two warps: 6.5 us at 3-16 tokens and 9.9 at 32 for a float32 weight
+  (cuBLAS 6-19 us, IEEE dots in Triton 17-32). Float32 products for a block of tokens a program measured slower
+  than the dots from two tokens on: the time is the chain of load, partial store and last range's sum.
+The tensor core's float32 accumulation is not IEEE: 6-7e-6 absolute at GLM-5.3's shapes over 256-deep ranges
+(1.1e-5 over 512), against cuBLAS's 2e-6 and tf32x3's 2-3e-6. More tokens take cuBLAS. Up to
+`ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32 products summed in registers, one token per program
+(no mostly empty 16-row dot tiles); a caller may raise that bound (`fma_tokens`): the indexer's head weights,
+[32, 6144] float32, take it up to 64 rows (engine/attention.py).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from kernels.fp8_gemm import _arrival_counters, _interpreting, _num_sms
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden, k_per_split,
                           stride_xt, stride_we, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                           BF16_PARTS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    """part[s, t, e] = sum over k in split s of x[t, k] * w[e, k], in float32: tf32x3 dots, or with BF16_PARTS
-    (bf16 x) the dots of `_bf16_parts_dot`."""
+    """part[s, t, e] = sum over k in split s of x[t, k] * w[e, k], in float32: tf32x3 dots (BF16_PARTS = 0), or
+    for bf16 x the weight as BF16_PARTS bf16 values (`_bf16_parts_dot`)."""
     pdl.begin(PDL)
     pdl.wait(PDL)
     pe, pt, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -61,31 +62,40 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidde
         kmask = (k0 + offs_k) < k_end
         x = tl.load(x_ptr + offs_t.to(tl.int64)[:, None] * stride_xt + (k0 + offs_k)[None, :],
                     mask=tmask[:, None] & kmask[None, :], other=0.0)
-        if not BF16_PARTS:
-            x = x.to(tl.float32)
         w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + (k0 + offs_k)[None, :],
-                    mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        if BF16_PARTS:
-            acc = _bf16_parts_dot(x, w, acc, IEEE)
+                    mask=emask[:, None] & kmask[None, :], other=0.0)
+        if BF16_PARTS == 0:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="tf32x3")
         else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+            acc = _bf16_parts_dot(x, w, acc, BF16_PARTS, IEEE)
     out = part_ptr + (split * num_tokens + offs_t.to(tl.int64))[:, None] * num_experts + offs_e[None, :]
     tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
 
 
 @triton.jit
-def _bf16_parts_dot(x, w, acc, IEEE: tl.constexpr):
-    """acc + x @ w.T for bf16 x and float32 w: w split into three bf16 parts (what remains after them is below
-    float32 rounding), each product exact, accumulated by the tensor core in float32. IEEE: the parts' dots as
-    float32 IEEE dots instead (the interpreter's bf16 dots are unreliable; the products are the same)."""
-    rest = w
-    for _ in tl.static_range(3):
-        part = rest.to(tl.bfloat16)
-        rest = rest - part.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(x.to(tl.float32), tl.trans(part.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(part), acc)
+def _bf16_parts_dot(x, w, acc, PARTS: tl.constexpr, IEEE: tl.constexpr):
+    """acc + x @ w.T for bf16 x and a weight that is the sum of PARTS bf16 values: a bf16 weight (PARTS = 1) as
+    it is, a float32 one split into three bf16 parts (what remains after them is below float32 rounding). Each
+    product is exact; the tensor core accumulates in float32."""
+    if PARTS == 1:
+        acc = _bf16_dot(x, w, acc, IEEE)
+    else:
+        rest = w
+        for _ in tl.static_range(PARTS):
+            part = rest.to(tl.bfloat16)
+            rest = rest - part.to(tl.float32)
+            acc = _bf16_dot(x, part, acc, IEEE)
+    return acc
+
+
+@triton.jit
+def _bf16_dot(x, part, acc, IEEE: tl.constexpr):
+    """acc + x @ part.T for bf16 operands; IEEE: as float32 IEEE dots instead (the interpreter's bf16 dots are
+    unreliable; the products are the same, exact in float32)."""
+    if IEEE:
+        acc = tl.dot(x.to(tl.float32), tl.trans(part.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, tl.trans(part), acc)
     return acc
 
 
@@ -109,7 +119,7 @@ def _router_logits_fma_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, arrivals_ptr, 
     for k0 in range(split * k_per_split, k_end, BLOCK_K):
         kmask = (k0 + offs_k) < k_end
         w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + (k0 + offs_k)[None, :],
-                    mask=emask[:, None] & kmask[None, :], other=0.0)
+                    mask=emask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         pdl.wait(PDL)  # returns at once after the first tile
         x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + k0 + offs_k, mask=kmask, other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], 1)
@@ -190,10 +200,29 @@ _ROUTER_K = 128
 SELECT_WARPS = 1  # one warp per token: its reductions stay in shuffles (H200: 3.3 us against 4.9 with four)
 DOT_WARPS = 2  # a 16 x 16 dot tile a program (H200, 4-16 tokens: 6.5 us against 7.9 with four warps)
 ROUTER_PARTIAL_TOKENS = 32  # up to this many tokens the tf32x3 partial sums beat cuBLAS (H200, 256 x 6144)
-ROUTER_SPLIT_TOKENS = 128  # from there up to this many bf16 tokens the bf16-split partial sums (one token tile)
-_SPLIT_E, _SPLIT_RANGES, _SPLIT_WARPS = 32, 24, 4  # their expert tile, K ranges and warps
+ROUTER_SPLIT_TOKENS = 128  # up to this many bf16 tokens the bf16 dots (`_weight_parts`, one token tile)
+_SPLIT_E, _SPLIT_WARPS = 32, 4  # their expert tile and warps
+# their K ranges by the weight's bf16 parts: a bf16 weight's one dot a tile is cheap enough for fewer, longer
+# ranges (H200, 4-128 tokens with the selection: 7.1-8.9 us against 7.5-11.5 in 24), a float32 weight's three
+# are not, and shorter ranges bound the tensor core's accumulation error (6-7e-6 in 24, 1.1e-5 in 12)
+_SPLIT_RANGES = {1: 12, 3: 24}
 ROUTER_FMA_TOKENS = 2  # up to this many tokens the partial sums are float32 products in registers, not dots
 _FMA_MAX_SPLITS = 64  # K ranges of those (GLM-5.3: 48 of 128 columns, 768 programs of one 16 x 128 tile)
+
+
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _weight_parts(x_dtype: torch.dtype, weight_dtype: torch.dtype, tokens: int) -> int:
+    """How `_router_logits_kernel` multiplies `tokens` rows (more than the float32 products' few): 0 = tf32x3
+    dots; else bf16 dots with the weight as that many bf16 values, every token in one tile so the weight is
+    read once: 1 for a bf16 weight (the model's dtype: half the bytes, a third of the dots), 3 for a float32
+    weight above `ROUTER_PARTIAL_TOKENS` tokens (below, tf32x3 is as fast)."""
+    if x_dtype != torch.bfloat16 or tokens > ROUTER_SPLIT_TOKENS:
+        return 0
+    if weight_dtype == torch.bfloat16:
+        return 1
+    return 3 if weight_dtype == torch.float32 and tokens > ROUTER_PARTIAL_TOKENS else 0
 
 
 def partial_tokens(dtype: torch.dtype) -> int:
@@ -202,22 +231,24 @@ def partial_tokens(dtype: torch.dtype) -> int:
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTER_FMA_TOKENS) -> torch.Tensor:
-    """x [T, H] (any float dtype) and a float32 weight [E, H] (the router's, or the indexer's head weights) ->
-    partial logits [S, T, E] float32 whose sum over S is x.float() @ weight.T. Up to `fma_tokens` tokens (one
-    program per 128-column tile and token) come back summed: S = 1; bf16 x of more than `ROUTER_PARTIAL_TOKENS`
-    tokens takes bf16-split dots over `_SPLIT_RANGES` K ranges; other x tf32x3 dots, S chosen so about two
-    programs run per SM."""
+    """x [T, H] and a weight [E, H] (the router's, in the model dtype, or the indexer's float32 head weights) ->
+    partial logits [S, T, E] float32 whose sum over S is x.float() @ weight.float().T. Up to `fma_tokens` tokens
+    (one program per 128-column tile and token) come back summed: S = 1; bf16 x of up to `ROUTER_SPLIT_TOKENS`
+    tokens takes bf16 dots over `_SPLIT_RANGES` K ranges (`_weight_parts`); other x tf32x3 dots, S chosen so
+    about two programs run per SM."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
-    if weight.shape[1] != hidden or weight.dtype != torch.float32 or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError("router_logits needs x [T, H] and a float32 weight [E, H], both with unit last stride")
+    if (weight.shape[1] != hidden or weight.dtype not in _WEIGHT_DTYPES or x.stride(1) != 1
+            or weight.stride(1) != 1):
+        raise ValueError("router_logits needs x [T, H] and a float32, bf16 or fp16 weight [E, H], both with unit "
+                         "last stride")
     fma = t <= fma_tokens
-    bf16_parts = not fma and x.dtype == torch.bfloat16 and ROUTER_PARTIAL_TOKENS < t <= ROUTER_SPLIT_TOKENS
+    bf16_parts = 0 if fma else _weight_parts(x.dtype, weight.dtype, t)
     blocks = triton.cdiv(hidden, _ROUTER_K)
     if fma:  # every weight tile loaded at once, one per program: a single memory round trip
         splits = min(blocks, _FMA_MAX_SPLITS)
     elif bf16_parts:
-        splits = _SPLIT_RANGES
+        splits = _SPLIT_RANGES[bf16_parts]
     else:
         tiles = triton.cdiv(num_experts, _ROUTER_TILE) * triton.cdiv(t, _ROUTER_TILE)
         splits = max(1, min(triton.cdiv(2 * _num_sms(x.device), tiles), blocks // 2, 16))

@@ -91,3 +91,17 @@ def test_bf16_split_logits_are_the_exact_products(tokens: int) -> None:
     want = x.double() @ weight.double().T
     assert parts.shape[0] > 1
     assert (parts.sum(0).double() - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8, 40])
+def test_bf16_weight_logits_are_the_exact_products(tokens: int) -> None:
+    """A bf16 router weight (the model's dtype, as the reference holds it) with bf16 activations: every form
+    (float32 products for a token or two, one bf16 dot a tile above) gives the float64 product to float32
+    summation error, and the engine's router picks the experts of the float32 product of the two."""
+    gen = torch.Generator().manual_seed(100 + tokens)
+    x = torch.randn(tokens, 640, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(48, 640, generator=gen) * 0.1).to(torch.bfloat16)
+    parts = router_logits(x, weight)
+    want = x.double() @ weight.double().T
+    assert parts.shape[0] == 1 if tokens <= ROUTER_FMA_TOKENS else parts.shape[0] > 1
+    assert (parts.sum(0).double() - want).abs().max() <= 1e-6 * want.abs().max()

@@ -51,3 +51,23 @@ def test_decode_router_logits_at_glm_shapes(tokens: int) -> None:
     _, want_ids = route(want, bias, 1, 1, 8, True, 2.5, 256)
     same = (got_ids.sort(1).values == want_ids.sort(1).values).all(1)
     assert same.float().mean() >= 0.9, same.float().mean()
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 8, 32, 64, 128])
+def test_decode_router_logits_of_a_bf16_weight(tokens: int) -> None:
+    """A bf16 router weight (a serving model's): one bf16 dot a tile, every product exact, so the sum of the
+    partials is the float32 product within the tensor core's accumulation error, and routing on them picks the
+    float32 product's experts."""
+    from kernels.router import route, router_logits
+
+    gen = torch.Generator(device="cuda").manual_seed(50 + tokens)
+    weight = (torch.randn(256, 6144, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    x = torch.randn(tokens, 6144, generator=gen, device="cuda").to(torch.bfloat16)
+    parts = router_logits(x, weight)
+    want = x.double() @ weight.double().T
+    assert (parts.sum(0).double() - want).abs().max().item() <= 2e-5
+    bias = torch.zeros(256, device="cuda")
+    _, got_ids = route(parts, bias, 1, 1, 8, True, 2.5, 256)
+    _, want_ids = route(want.float(), bias, 1, 1, 8, True, 2.5, 256)
+    same = (got_ids.sort(1).values == want_ids.sort(1).values).all(1)
+    assert same.float().mean() >= 0.9, same.float().mean()
