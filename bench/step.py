@@ -6,9 +6,11 @@ all-reduce's latency plus B x 154880 x 4 bytes at `--gather-gbs`; a token is sam
 19,360 logits), 256 routed experts top-8 plus the
 shared one, q_lora, the latent path and the indexer replicated, FP8 KV rows,
 one full indexer layer per four (GLM-5.3: 21 of 78), every layer MoE. Random weights, bf16 or FP8.
-For each weight format, two depths (`--depths`, default 4 and 8 layers; 8 and 76 on an H200, where both
-are GPU-bound) separate the per-layer time from the per-step fixed cost (scheduling, sampling, output):
-per layer = (t_deep - t_shallow) / (deep - shallow). Each engine is built in a fresh process. `--pdl on off`
+For each weight format, two depths (`--depths`, default 4 and 8 layers; 8 and 76 on an H200) separate the
+per-layer time from the per-step fixed cost (scheduling, sampling, output): per layer = (t_deep - t_shallow) /
+(deep - shallow). That holds while both depths are GPU-bound: the host's own work a step (its wall time less
+its waits for the device, `host4`) is printed for the shallow one and marked where it reaches the step, as
+at B = 64 on a slower host; the device's fixed cost (`fixdev`, from the kernel sums) is printed beside. Each engine is built in a fresh process. `--pdl on off`
 measures the kernels launched with programmatic dependent launch (kernels/pdl.py, decode graphs of up to 8
 requests) and plainly, side by side; with PDL a kernel's GPU time includes its wait for the one before, so
 only the wall-time columns compare.
@@ -66,6 +68,7 @@ from engine.tiny import FP8_QUANTIZATION, TINY_CONFIG  # noqa: E402
 from kernels import pdl  # noqa: E402
 
 logger = logging.getLogger("bench.step")
+HOST_BOUND = 0.9  # a run whose host work a step is at least this share of its step time is host-bound
 TP = 8
 VOCAB = 154880  # GLM-5.3's, split TP ways by lm_head
 MLA_ROW_BYTES, INDEXER_ROW_BYTES = 656, 132
@@ -120,22 +123,54 @@ class ExpertCounter:
             hook.remove()
 
 
+class DeviceWaits:
+    """Times the host's waits for the device while it is entered. A step blocks where the runner collects a
+    launched step's tokens (`ModelRunner.collect`), so a step's wall time less these waits is the host's own
+    work: when that reaches the step's time the run is host-bound, and its time says nothing of the GPU's."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._runner = engine.runner
+        self.seconds = 0.0
+        self.calls = 0
+
+    def __enter__(self) -> DeviceWaits:
+        collect = self._runner.collect
+
+        def timed(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return collect(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+
+        self._runner.collect = timed  # an instance attribute over the class's method, removed on exit
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self._runner.collect
+
+
 @dataclass
 class Measured:
     step_ms: float  # wall time of a decode step, steps back to back (host work included)
+    host_ms: float  # the host's own work a step: the wall time less its waits for the device
     device_ms: float  # GPU kernel time of a decode step (what the step costs once launches are free)
     experts_per_layer: float
 
 
-def wall_ms_per_step(engine: LLMEngine, steps: int) -> float:
-    """Mean wall time of `steps` steps back to back, as a server runs them (with asynchronous scheduling the
-    host prepares each step while the device runs the one before)."""
+def wall_ms_per_step(engine: LLMEngine, steps: int) -> tuple[float, float]:
+    """(wall, host) ms a step: the mean wall time of `steps` steps back to back, as a server runs them (with
+    asynchronous scheduling the host prepares each step while the device runs the one before), and the part
+    of it the host spent on its own work (`DeviceWaits`)."""
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / steps
+    with DeviceWaits(engine) as waits:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    return wall * 1e3 / steps, (wall - waits.seconds) * 1e3 / steps
 
 
 def device_ms_per_step(engine: LLMEngine, steps: int = 3) -> float:
@@ -183,11 +218,11 @@ def measure(engine: LLMEngine, prompts: list[list[int]], warmup: int = 4, steps:
         engine.step()
     for _ in range(warmup):
         engine.step()
-    step_ms = wall_ms_per_step(engine, steps)
+    step_ms, host_ms = wall_ms_per_step(engine, steps)
     device = device_ms_per_step(engine)
     while engine.has_unfinished():
         engine.step()
-    return Measured(step_ms, device, statistics.mean(counter.counts))
+    return Measured(step_ms, host_ms, device, statistics.mean(counter.counts))
 
 
 def profile_steps(engine: LLMEngine, prompts: list[list[int]], path: Path, steps: int = 3,
@@ -270,6 +305,25 @@ def run(args: argparse.Namespace, fp8: bool, mode: str, layers: int, pages: int,
         return results
 
 
+def print_table(rows: list[dict]) -> None:
+    """The run's rows as one table, host-bound shallow runs marked."""
+    print(f"\n{'w':4} {'mode':10} {'pdl':3} {'ctx':>6} {'B':>4} {'t4':>7} {'t8':>7} {'host4':>6} {'layer':>7} {'fixed':>7} "
+          f"{'fixdev':>6} {'dev/l':>7} {'exp':>5} {'floorB':>7} {'floorF':>7} {'x-fl':>6} {'x-dev':>6} {'step78':>8} "
+          f"{'fl78':>7} {'x78':>6}")
+    for r in rows:
+        # the shallow run's host work near its whole step: host-bound, so its wall time (and the fixed cost and
+        # per-layer slope read from it) is the host's, not the GPU's
+        bound = "*" if r["host_shallow_ms"] >= HOST_BOUND * r["t_shallow_ms"] else " "
+        print(f"{r['weights']:4} {r['mode']:10} {r['pdl']:3} {r['ctx']:>6} {r['B']:>4} {r['t_shallow_ms']:7.2f} {r['t_deep_ms']:7.2f} "
+              f"{r['host_shallow_ms']:5.2f}{bound} {r['per_layer_ms']:7.3f} {r['fixed_ms']:7.2f} {r['fixed_device_ms']:6.2f} "
+              f"{r['device_layer_ms']:7.3f} {r['experts']:5.0f} {r['floor_bytes_ms']:7.3f} {r['floor_flops_ms']:7.3f} "
+              f"{r['x_floor']:6.1f} {r['x_floor_device']:6.1f} {r['step78_ms']:8.1f} {r['floor78_ms']:7.2f} {r['x_floor78']:6.1f}")
+    if any(r["host_shallow_ms"] >= HOST_BOUND * r["t_shallow_ms"] for r in rows):
+        print(f"* the shallow run was host-bound (its host work at least {HOST_BOUND:.0%} of its step): its fixed "
+              "cost and the wall-time slope are the host's; fixdev and dev/l are the device's (reliable where the "
+              "kernel sums do not overlap: without PDL, or B >= 32)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", type=int, nargs="+", default=[8100, 65400])
@@ -312,12 +366,14 @@ def main() -> None:
             per_layer = (deep_m.step_ms - shallow_m.step_ms) / (deep - shallow)
             fixed = shallow_m.step_ms - shallow * per_layer
             device_layer = (deep_m.device_ms - shallow_m.device_ms) / (deep - shallow)
+            fixed_device = shallow_m.device_ms - shallow * device_layer
             bytes_ms, flops_ms = layer_floor(cfg, fmt, batch, ctx, deep_m.experts_per_layer, gbs, tflops)
             floor = max(bytes_ms, flops_ms)
             gather = args.allreduce_us / 1e3 + batch * VOCAB * 4 * (TP - 1) / TP / (args.gather_gbs * 1e6)
             full_step = fixed + gather + 78 * (per_layer + 2 * args.allreduce_us / 1e3)
             rows.append(dict(weights=name, mode=mode, pdl=launch, ctx=ctx, B=batch, t_shallow_ms=shallow_m.step_ms,
                              t_deep_ms=deep_m.step_ms, per_layer_ms=per_layer, fixed_ms=fixed,
+                             host_shallow_ms=shallow_m.host_ms, fixed_device_ms=fixed_device,
                              device_layer_ms=device_layer, x_floor_device=device_layer / floor,
                              experts=deep_m.experts_per_layer, floor_bytes_ms=bytes_ms, floor_flops_ms=flops_ms,
                              x_floor=per_layer / floor, step78_ms=full_step, floor78_ms=78 * floor,
@@ -325,13 +381,7 @@ def main() -> None:
             if args.out:
                 with args.out.open("a") as f:
                     f.write(json.dumps(rows[-1]) + "\n")
-    print(f"\n{'w':4} {'mode':10} {'pdl':3} {'ctx':>6} {'B':>4} {'t4':>7} {'t8':>7} {'layer':>7} {'fixed':>7} {'dev/l':>7} {'exp':>5} "
-          f"{'floorB':>7} {'floorF':>7} {'x-fl':>6} {'x-dev':>6} {'step78':>8} {'fl78':>7} {'x78':>6}")
-    for r in rows:
-        print(f"{r['weights']:4} {r['mode']:10} {r['pdl']:3} {r['ctx']:>6} {r['B']:>4} {r['t_shallow_ms']:7.2f} {r['t_deep_ms']:7.2f} "
-              f"{r['per_layer_ms']:7.3f} {r['fixed_ms']:7.2f} {r['device_layer_ms']:7.3f} {r['experts']:5.0f} "
-              f"{r['floor_bytes_ms']:7.3f} {r['floor_flops_ms']:7.3f} {r['x_floor']:6.1f} {r['x_floor_device']:6.1f} "
-              f"{r['step78_ms']:8.1f} {r['floor78_ms']:7.2f} {r['x_floor78']:6.1f}")
+    print_table(rows)
 
 
 if __name__ == "__main__":
