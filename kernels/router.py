@@ -203,8 +203,8 @@ ROUTER_PARTIAL_TOKENS = 32  # up to this many tokens the tf32x3 partial sums bea
 ROUTER_SPLIT_TOKENS = 128  # up to this many bf16 tokens the bf16 dots (`_weight_parts`, one token tile)
 _SPLIT_E, _SPLIT_WARPS = 32, 4  # their expert tile and warps
 # their K ranges by the weight's bf16 parts: a bf16 weight's one dot a tile is cheap enough for fewer, longer
-# ranges (H200, 4-128 tokens with the selection: 7.1-8.9 us against 7.5-11.5 in 24), a float32 weight's three
-# are not, and shorter ranges bound the tensor core's accumulation error (6-7e-6 in 24, 1.1e-5 in 12)
+# ranges (H200, 4-128 tokens with the selection: 7.1-8.9 us against 7.5-11.5 in 24; 3-4e-6 absolute error), a
+# float32 weight's three are not, and their accumulation error grows with the range (6-7e-6 in 24, 1.1e-5 in 12)
 _SPLIT_RANGES = {1: 12, 3: 24}
 ROUTER_FMA_TOKENS = 2  # up to this many tokens the partial sums are float32 products in registers, not dots
 _FMA_MAX_SPLITS = 64  # K ranges of those (GLM-5.3: 48 of 128 columns, 768 programs of one 16 x 128 tile)
