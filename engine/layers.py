@@ -140,7 +140,7 @@ class Router(nn.Module):
         whatever the weight's dtype (the model's, as the reference holds it). Two kernels on a GPU: the float32
         logits (in partial sums for a decode batch, kernels/router.py), then the selection (int32 ids there)."""
         cfg = self.cfg
-        if x.is_cuda and x.shape[0] <= partial_tokens(x.dtype):
+        if x.is_cuda and x.shape[0] <= partial_tokens(x.dtype, self.weight.dtype):
             logits = router_logits(x, self.weight)
         else:
             logits = F.linear(x.float(), self.weight.float())

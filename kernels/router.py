@@ -15,22 +15,19 @@ The logits themselves (`router_logits`) are the float32 product the reference co
 with the router weight in the model's dtype (bf16 for a serving model, as published), for decode batches as
 partial sums over K ranges spread across programs (a few rows against 256 x 6144 weights: a handful of programs
 would each stream megabytes), added in a fixed order by the selection launch, or, for a token or two, by the last
-range of each expert tile to arrive. Forms by activations and weight:
-- bf16 activations and a bf16 weight, up to `ROUTER_SPLIT_TOKENS` tokens: one bf16 dot a tile, every product
-  exact in float32, every token in one tile so the weight (3.1 MB at GLM-5.3) is read once: 7.1-8.9 us with
-  the selection at 4-128 tokens on an H200, where a float32 weight's forms take 10.6-16.5.
-- bf16 activations and a float32 weight, from `ROUTER_PARTIAL_TOKENS` up to `ROUTER_SPLIT_TOKENS`: the weight tile
-  split in registers into three bf16 parts whose sum is the weight (8 + 8 + 8 significant bits), each product
-  exact: 11.9 us with the selection at 64 tokens on an H200 (13.4-14.4 at 128), where cuBLAS takes 24-29.
-- otherwise three TF32 products (`tf32x3`: the weight split into a TF32 head and tail; bf16 activations are exact
-  in TF32), a 16 x 16 tile a program of two warps: 6.5 us at 3-16 tokens and 9.9 at 32 for a float32 weight
-  (cuBLAS 6-19 us, IEEE dots in Triton 17-32). Float32 products for a block of tokens a program measured slower
-  than the dots from two tokens on: the time is the chain of load, partial store and last range's sum.
-The tensor core's float32 accumulation is not IEEE: 6-7e-6 absolute at GLM-5.3's shapes over 256-deep ranges
-(1.1e-5 over 512), against cuBLAS's 2e-6 and tf32x3's 2-3e-6. More tokens take cuBLAS. Up to
-`ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32 products summed in registers, one token per program
-(no mostly empty 16-row dot tiles); a caller may raise that bound (`fma_tokens`): the indexer's head weights,
-[32, 6144] float32, take it up to 64 rows (engine/attention.py).
+range of each expert tile to arrive. Forms:
+- bf16 activations and a bf16 weight, up to `ROUTER_BF16_TOKENS` tokens: one bf16 dot a tile, every product exact
+  in float32, every token in one tile so the weight (3.1 MB at GLM-5.3) is read once: 7.1-8.9 us with the
+  selection at 4-128 tokens on an H200, where a float32 weight's forms took 10.6-16.5. The tensor core's float32
+  accumulation is not IEEE: 3-4e-6 absolute at GLM-5.3's shapes (cuBLAS's IEEE SGEMM 2e-6).
+- other activations or weights, up to `ROUTER_PARTIAL_TOKENS` tokens: three TF32 products (`tf32x3`: the weight
+  split into a TF32 head and tail; bf16 activations are exact in TF32), 2-3e-6 from the IEEE product, a 16 x 16
+  tile a program of two warps: 6.5 us at 3-16 tokens and 9.9 at 32 for a float32 weight (cuBLAS 6-19 us, IEEE
+  dots in Triton 17-32). Float32 products for a block of tokens a program measured slower than the dots from two
+  tokens on: the time is the chain of load, partial store and last range's sum.
+More tokens take cuBLAS (`partial_tokens`). Up to `ROUTER_FMA_TOKENS` tokens the partial sums are IEEE float32
+products summed in registers, one token per program (no mostly empty 16-row dot tiles); a caller may raise that
+bound (`fma_tokens`): the indexer's head weights, [32, 6144] float32, take it up to 64 rows (engine/attention.py).
 """
 
 from __future__ import annotations
@@ -46,9 +43,9 @@ from kernels.fp8_gemm import _arrival_counters, _interpreting, _num_sms
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidden, k_per_split,
                           stride_xt, stride_we, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BF16_PARTS: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    """part[s, t, e] = sum over k in split s of x[t, k] * w[e, k], in float32: tf32x3 dots (BF16_PARTS = 0), or
-    for bf16 x the weight as BF16_PARTS bf16 values (`_bf16_parts_dot`)."""
+                          BF16: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    """part[s, t, e] = sum over k in split s of x[t, k] * w[e, k], in float32: bf16 dots (BF16: bf16 x and w,
+    `_bf16_dot`) or tf32x3 dots."""
     pdl.begin(PDL)
     pdl.wait(PDL)
     pe, pt, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -64,38 +61,22 @@ def _router_logits_kernel(x_ptr, w_ptr, part_ptr, num_tokens, num_experts, hidde
                     mask=tmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * stride_we + (k0 + offs_k)[None, :],
                     mask=emask[:, None] & kmask[None, :], other=0.0)
-        if BF16_PARTS == 0:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="tf32x3")
+        if BF16:
+            acc = _bf16_dot(x, w, acc, IEEE)
         else:
-            acc = _bf16_parts_dot(x, w, acc, BF16_PARTS, IEEE)
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="tf32x3")
     out = part_ptr + (split * num_tokens + offs_t.to(tl.int64))[:, None] * num_experts + offs_e[None, :]
     tl.store(out, acc, mask=tmask[:, None] & emask[None, :])
 
 
 @triton.jit
-def _bf16_parts_dot(x, w, acc, PARTS: tl.constexpr, IEEE: tl.constexpr):
-    """acc + x @ w.T for bf16 x and a weight that is the sum of PARTS bf16 values: a bf16 weight (PARTS = 1) as
-    it is, a float32 one split into three bf16 parts (what remains after them is below float32 rounding). Each
-    product is exact; the tensor core accumulates in float32."""
-    if PARTS == 1:
-        acc = _bf16_dot(x, w, acc, IEEE)
-    else:
-        rest = w
-        for _ in tl.static_range(PARTS):
-            part = rest.to(tl.bfloat16)
-            rest = rest - part.to(tl.float32)
-            acc = _bf16_dot(x, part, acc, IEEE)
-    return acc
-
-
-@triton.jit
-def _bf16_dot(x, part, acc, IEEE: tl.constexpr):
-    """acc + x @ part.T for bf16 operands; IEEE: as float32 IEEE dots instead (the interpreter's bf16 dots are
-    unreliable; the products are the same, exact in float32)."""
+def _bf16_dot(x, w, acc, IEEE: tl.constexpr):
+    """acc + x @ w.T for bf16 operands, each product exact, accumulated by the tensor core in float32; IEEE: as
+    float32 IEEE dots instead (the interpreter's bf16 dots are unreliable; the products are the same)."""
     if IEEE:
-        acc = tl.dot(x.to(tl.float32), tl.trans(part.to(tl.float32)), acc, input_precision="ieee")
+        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     else:
-        acc = tl.dot(x, tl.trans(part), acc)
+        acc = tl.dot(x, tl.trans(w), acc)
     return acc
 
 
@@ -200,41 +181,27 @@ _ROUTER_K = 128
 SELECT_WARPS = 1  # one warp per token: its reductions stay in shuffles (H200: 3.3 us against 4.9 with four)
 DOT_WARPS = 2  # a 16 x 16 dot tile a program (H200, 4-16 tokens: 6.5 us against 7.9 with four warps)
 ROUTER_PARTIAL_TOKENS = 32  # up to this many tokens the tf32x3 partial sums beat cuBLAS (H200, 256 x 6144)
-ROUTER_SPLIT_TOKENS = 128  # up to this many bf16 tokens the bf16 dots (`_weight_parts`, one token tile)
-_SPLIT_E, _SPLIT_WARPS = 32, 4  # their expert tile and warps
-# their K ranges by the weight's bf16 parts: a bf16 weight's one dot a tile is cheap enough for fewer, longer
-# ranges (H200, 4-128 tokens with the selection: 7.1-8.9 us against 7.5-11.5 in 24; 3-4e-6 absolute error), a
-# float32 weight's three are not, and their accumulation error grows with the range (6-7e-6 in 24, 1.1e-5 in 12)
-_SPLIT_RANGES = {1: 12, 3: 24}
+ROUTER_BF16_TOKENS = 128  # up to this many tokens bf16 activations and a bf16 weight take bf16 dots
+# their expert tile, K ranges and warps, every token in one tile (H200, 4-128 tokens with the selection: 7.1-8.9 us
+# in 12 ranges against 7.5-11.5 in 24 and more in 48)
+_BF16_E, _BF16_RANGES, _BF16_WARPS = 32, 12, 4
 ROUTER_FMA_TOKENS = 2  # up to this many tokens the partial sums are float32 products in registers, not dots
 _FMA_MAX_SPLITS = 64  # K ranges of those (GLM-5.3: 48 of 128 columns, 768 programs of one 16 x 128 tile)
-
-
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _weight_parts(x_dtype: torch.dtype, weight_dtype: torch.dtype, tokens: int) -> int:
-    """How `_router_logits_kernel` multiplies `tokens` rows (more than the float32 products' few): 0 = tf32x3
-    dots; else bf16 dots with the weight as that many bf16 values, every token in one tile so the weight is
-    read once: 1 for a bf16 weight (the model's dtype: half the bytes, a third of the dots), 3 for a float32
-    weight above `ROUTER_PARTIAL_TOKENS` tokens (below, tf32x3 is as fast)."""
-    if x_dtype != torch.bfloat16 or tokens > ROUTER_SPLIT_TOKENS:
-        return 0
-    if weight_dtype == torch.bfloat16:
-        return 1
-    return 3 if weight_dtype == torch.float32 and tokens > ROUTER_PARTIAL_TOKENS else 0
-
-
-def partial_tokens(dtype: torch.dtype) -> int:
-    """The most tokens of activations of `dtype` whose logits `router_logits` computes faster than cuBLAS."""
-    return ROUTER_SPLIT_TOKENS if dtype == torch.bfloat16 else ROUTER_PARTIAL_TOKENS
+def partial_tokens(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
+    """The most tokens of activations of `x_dtype` whose logits against a weight of `weight_dtype`
+    `router_logits` computes faster than cuBLAS."""
+    bf16 = x_dtype == weight_dtype == torch.bfloat16
+    return ROUTER_BF16_TOKENS if bf16 else ROUTER_PARTIAL_TOKENS
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTER_FMA_TOKENS) -> torch.Tensor:
     """x [T, H] and a weight [E, H] (the router's, in the model dtype, or the indexer's float32 head weights) ->
     partial logits [S, T, E] float32 whose sum over S is x.float() @ weight.float().T. Up to `fma_tokens` tokens
-    (one program per 128-column tile and token) come back summed: S = 1; bf16 x of up to `ROUTER_SPLIT_TOKENS`
-    tokens takes bf16 dots over `_SPLIT_RANGES` K ranges (`_weight_parts`); other x tf32x3 dots, S chosen so
+    (one program per 128-column tile and token) come back summed: S = 1; bf16 x and w of up to
+    `ROUTER_BF16_TOKENS` tokens take bf16 dots over `_BF16_RANGES` K ranges; others tf32x3 dots, S chosen so
     about two programs run per SM."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
@@ -243,12 +210,12 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTE
         raise ValueError("router_logits needs x [T, H] and a float32, bf16 or fp16 weight [E, H], both with unit "
                          "last stride")
     fma = t <= fma_tokens
-    bf16_parts = 0 if fma else _weight_parts(x.dtype, weight.dtype, t)
+    bf16 = not fma and x.dtype == weight.dtype == torch.bfloat16 and t <= ROUTER_BF16_TOKENS
     blocks = triton.cdiv(hidden, _ROUTER_K)
     if fma:  # every weight tile loaded at once, one per program: a single memory round trip
         splits = min(blocks, _FMA_MAX_SPLITS)
-    elif bf16_parts:
-        splits = _SPLIT_RANGES[bf16_parts]
+    elif bf16:
+        splits = _BF16_RANGES
     else:
         tiles = triton.cdiv(num_experts, _ROUTER_TILE) * triton.cdiv(t, _ROUTER_TILE)
         splits = max(1, min(triton.cdiv(2 * _num_sms(x.device), tiles), blocks // 2, 16))
@@ -264,13 +231,12 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTE
             BLOCK_S=triton.next_power_of_2(splits), num_warps=4, **pdl.launch_options(x.device))
         return logits
     if t:
-        # bf16 parts: every token in one tile, so the weight is read once
-        block_t, block_e = (max(16, triton.next_power_of_2(t)), _SPLIT_E) if bf16_parts else (_ROUTER_TILE,) * 2
+        # bf16: every token in one tile, so the weight is read once
+        block_t, block_e = (max(16, triton.next_power_of_2(t)), _BF16_E) if bf16 else (_ROUTER_TILE,) * 2
         grid = (triton.cdiv(num_experts, block_e), triton.cdiv(t, block_t), splits)
         _router_logits_kernel[grid](x, weight, parts, t, num_experts, hidden, k_per_split, x.stride(0),
                                     weight.stride(0), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_ROUTER_K,
-                                    BF16_PARTS=bf16_parts, IEEE=_interpreting(),
-                                    num_warps=_SPLIT_WARPS if bf16_parts else DOT_WARPS,
+                                    BF16=bf16, IEEE=_interpreting(), num_warps=_BF16_WARPS if bf16 else DOT_WARPS,
                                     **pdl.launch_options(x.device))
     return parts
 
