@@ -23,9 +23,9 @@ from residency.page_pool import OutOfPages, PagePool, PageUse
 PageKey = tuple[PageUse, bytes]
 
 
-def chain_hashes(token_ids: Sequence[int], page_size: int, parents: Sequence[bytes] = ()) -> list[bytes]:
-    """Hashes of every full page of `token_ids`, continuing the chain `parents` (hashes of earlier pages)."""
-    return hashes_after(parents[-1] if parents else None, token_ids[len(parents) * page_size :], page_size)
+def chain_hashes(token_ids: Sequence[int], page_size: int) -> list[bytes]:
+    """Hashes of every full page of `token_ids`, from the first (`hashes_after` continues a chain)."""
+    return hashes_after(None, token_ids, page_size)
 
 
 def hashes_after(parent: bytes | None, token_ids: Sequence[int], page_size: int) -> list[bytes]:

@@ -48,7 +48,7 @@ def test_chain_hashes_identify_whole_prefixes() -> None:
     assert a[0] == b[0] and a[1] != b[1]
     c = chain_hashes([9, 9, 9, 9, 4, 5, 6, 7], 4)
     assert c[1] != a[1]  # same page tokens, different prefix
-    assert chain_hashes(list(range(12)), 4, a) == chain_hashes(list(range(12)), 4)[2:]
+    assert hashes_after(a[-1], list(range(8, 12)), 4) == chain_hashes(list(range(12)), 4)[2:]
     # a request's next pages hash from the last page's hash and their own tokens only (a partial page: none)
     whole = chain_hashes(list(range(21)), 4)
     assert hashes_after(whole[1], list(range(8, 21)), 4) == whole[2:] and hashes_after(None, [0, 1, 2], 4) == []
