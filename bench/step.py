@@ -10,7 +10,8 @@ For each weight format, two depths (`--depths`, default 4 and 8 layers; 8 and 76
 per-layer time from the per-step fixed cost (scheduling, sampling, output): per layer = (t_deep - t_shallow) /
 (deep - shallow). That holds while both depths are GPU-bound: the host's own work a step (its wall time less
 its waits for the device, `host4`) is printed for the shallow one and marked where it reaches the step, as
-at B = 64 on a slower host; the device's fixed cost (`fixdev`, from the kernel sums) is printed beside. Each engine is built in a fresh process. `--pdl on off`
+at B = 64 on a slower host; the device's fixed cost (`fixdev`, from the kernel sums) is printed beside. Each
+engine is built in a fresh process. `--pdl on off`
 measures the kernels launched with programmatic dependent launch (kernels/pdl.py, decode graphs of up to 8
 requests) and plainly, side by side; with PDL a kernel's GPU time includes its wait for the one before, so
 only the wall-time columns compare.
