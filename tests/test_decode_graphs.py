@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
-from engine.rank.decode_graphs import GraphKey, batch_sizes, context_widths
+from engine.rank.decode_graphs import GraphKey, StepBuffers, batch_sizes, context_widths
 from engine.request import SamplingParams
 from residency.config import HiSparseConfig
 from tests.helpers import LogitsRecorder, assert_pages_released, greedy, make_engine
@@ -67,3 +69,41 @@ def test_shapes() -> None:
     assert context_widths(2048, 5000, 64) == (2048, 3072, 4096, 5056)
     widths = context_widths(4096, 1 << 20, 64)
     assert widths[:4] == (4096, 6144, 8192, 12288) and widths[-1] == 1 << 20 and len(widths) == 17
+
+
+def test_step_buffers_keep_a_shapes_fields_in_place() -> None:
+    """A step stages its fields packed in one arena (one copy a step on a GPU); a shape staging the same fields
+    at the same sizes finds them where its first step put them, so the views a graph captured read each new
+    step's values."""
+    buffers = StepBuffers({"ids": (32, torch.long), "table": (16, torch.int32), "temp": (32, torch.float32),
+                           "greedy": (32, torch.bool)}, torch.device("cpu"))
+
+    def stage(ids: np.ndarray, table: np.ndarray | None, rows: int) -> None:
+        buffers.begin()
+        buffers.put("ids", (rows,), 0, ids)
+        buffers.put("table", (2, 4), -1, table)
+        buffers.put("temp", (rows,), 1.0, np.full(rows - 1, 0.5))
+        buffers.put("greedy", (rows,), True)
+        buffers.end()
+
+    stage(np.arange(3), np.ones((1, 2), dtype=np.int32), 4)
+    ids, table, temp = buffers.view("ids", 4), buffers.view("table", 2, 4), buffers.view("temp", 4)
+    assert ids.tolist() == [0, 1, 2, 0] and ids.dtype == torch.long
+    assert table.tolist() == [[1, 1, -1, -1], [-1] * 4] and table.dtype == torch.int32
+    assert temp.tolist() == [0.5, 0.5, 0.5, 1.0] and buffers.view("greedy", 4).tolist() == [True] * 4
+    assert all(v.data_ptr() % StepBuffers.ALIGN == buffers.arena.data_ptr() % StepBuffers.ALIGN
+               for v in (ids, table, temp))
+    stage(np.arange(10, 14), None, 4)  # the same shape: the same views read the new step
+    assert ids.tolist() == [10, 11, 12, 13] and table.tolist() == [[-1] * 4] * 2
+    stage(np.arange(20), None, 20)  # another shape: its wider ids push the fields after them further
+    assert buffers.view("table", 2, 4).data_ptr() > table.data_ptr()
+    with pytest.raises(ValueError, match="at most 32"):
+        buffers.put("ids", (33,), 0)
+    buffers.begin()
+    buffers.put("ids", (2,), 0)
+    with pytest.raises(ValueError, match="staged once"):
+        buffers.put("ids", (2,), 0)
+    with pytest.raises(KeyError, match="table"):
+        buffers.view("table", 2, 4)
+    with pytest.raises(ValueError, match="2 elements"):
+        buffers.view("ids", 4)

@@ -98,46 +98,78 @@ class GraphKey:
 
 
 class StepBuffers:
-    """Flat device buffers of the largest shape, with pinned host twins the step is staged in. A shape's
-    tensors are views of their leading elements, so every shape reads the same memory."""
+    """A step's inputs in one device arena with a pinned host twin, copied over in one transfer a step.
+
+    Each step stages its fields with `put` in a fixed order, packed from the arena's start in that order
+    at the sizes of the step's shape; `end` queues a single copy of the staged bytes (one copy instead of one
+    per field: each costs the host about ten microseconds). A shape stages the same fields at the same sizes
+    at every step, so its fields sit at the same places every time and the views its graph was captured
+    with (`view`, after the shape's first `end`) stay its own. Shapes overlap in the arena; a step's copy
+    is queued after the previous step's work, so no step reads another's staging."""
+
+    ALIGN = 128  # bytes: every field starts on a 128-byte boundary, as the allocator's tensors do
 
     def __init__(self, sizes: dict[str, tuple[int, torch.dtype]], device: torch.device) -> None:
+        """`sizes`: each field's largest element count and its dtype."""
         self.device = device
-        self.dev = {name: torch.zeros(n, dtype=dtype, device=device) for name, (n, dtype) in sizes.items()}
+        self.dtypes = {name: dtype for name, (_, dtype) in sizes.items()}
+        capacity = sum(self._aligned(n * dtype.itemsize) for n, dtype in sizes.values())
+        self._capacity = {name: n for name, (n, _) in sizes.items()}
+        self.arena = torch.zeros(capacity, dtype=torch.uint8, device=device)
         pin = device.type == "cuda"
-        self.host = {name: torch.zeros(n, dtype=dtype, pin_memory=pin) if pin else self.dev[name]
-                     for name, (n, dtype) in sizes.items()}
-        # numpy views of the host twins: a step's small writes cost a microsecond each instead of a torch op's ten
-        self._host_np = {name: t.numpy() for name, t in self.host.items()}
-        self._copied: torch.cuda.Event | None = None  # the last step's copies out of the host twins
+        self._host = torch.zeros(capacity, dtype=torch.uint8, pin_memory=True) if pin else self.arena
+        self._host_np = self._host.numpy()  # numpy writes cost a microsecond each instead of a torch op's ten
+        self._placed: dict[str, tuple[int, int]] = {}  # this step's fields: (byte offset, elements)
+        self._end = 0  # staged bytes
+        self._copied: torch.cuda.Event | None = None  # the last step's copy out of the host twin
 
-    def view(self, name: str, *shape: int) -> torch.Tensor:
-        return self.dev[name][: math.prod(shape)].view(shape)
+    @classmethod
+    def _aligned(cls, nbytes: int) -> int:
+        return -(-nbytes // cls.ALIGN) * cls.ALIGN
 
     def begin(self) -> None:
-        """Waits until the last step's copies have left the host twins (done at once when its tokens
-        were read; a rank that reads no tokens runs at most one step behind)."""
+        """Starts staging a step; first waits until the last step's copy has left the host twin (done at
+        once when its tokens were read; a rank that reads no tokens runs at most one step behind)."""
         if self._copied is not None and not self._copied.query():
             self._copied.synchronize()
+        self._placed, self._end = {}, 0
 
     def put(self, name: str, shape: tuple[int, ...], pad: float | int,
             value: torch.Tensor | np.ndarray | None = None) -> None:
-        """Writes `value` (host memory) into the leading corner of the [shape] view, `pad` elsewhere, and
-        queues the copy."""
+        """Stages field `name` as [shape] next: `value` (host memory) in its leading corner, `pad` elsewhere."""
         size = math.prod(shape)
-        host = self._host_np[name][:size].reshape(shape)
+        if size > self._capacity[name] or name in self._placed:
+            raise ValueError(f"{name} is staged once a step, at most {self._capacity[name]} elements (got {size})")
+        dtype = self.dtypes[name]
+        start = self._end
+        self._end = start + self._aligned(size * dtype.itemsize)
+        self._placed[name] = (start, size)
+        host = self._host_np[start : start + size * dtype.itemsize].view(_NUMPY[dtype]).reshape(shape)
         host.fill(pad)
         if value is not None:
             value = np.asarray(value)
             if value.size:
                 host[tuple(slice(0, n) for n in value.shape)] = value
-        if self.device.type == "cuda":
-            self.view(name, *shape).copy_(self.host[name][:size].view(shape), non_blocking=True)
 
     def end(self) -> None:
-        if self.device.type == "cuda":
+        """Queues the staged bytes' copy to the device (in place off a GPU)."""
+        if self.device.type == "cuda" and self._end:
+            self.arena[: self._end].copy_(self._host[: self._end], non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
+
+    def view(self, name: str, *shape: int) -> torch.Tensor:
+        """The device view of field `name` as the last step staged it, shaped [shape] (its leading elements)."""
+        if name not in self._placed:
+            raise KeyError(f"{name} was not staged this step")
+        start, size = self._placed[name]
+        if math.prod(shape) > size:
+            raise ValueError(f"{name} was staged with {size} elements, {tuple(shape)} asked")
+        dtype = self.dtypes[name]
+        return self.arena[start : start + size * dtype.itemsize].view(dtype)[: math.prod(shape)].view(shape)
+
+
+_NUMPY = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 
 
 class DecodeGraphs:
@@ -223,11 +255,9 @@ class DecodeGraphs:
         pad = torch.arange(rows - real)
         buffers.begin()
         put = buffers.put
+        previous = None if step is None else step.prev_rows
         put("input_ids", (rows,), 0, None if step is None else step.input_ids)
-        if step is not None and step.prev_rows is not None:
-            put("prev_rows", (rows,), -1, step.prev_rows)
-            ids = buffers.view("input_ids", rows)
-            ids.copy_(with_previous_tokens(ids, buffers.view("prev_rows", rows), last_tokens))
+        put("prev_rows", (rows,), -1, previous)
         put("positions", (rows,), 0, None if step is None else step.positions)
         put("context_lens", (rows,), 1, None if step is None else torch.tensor(step.context_lens))
         for name, per in (("mla_write_slots", page), ("indexer_write_slots", per_page)):
@@ -241,6 +271,9 @@ class DecodeGraphs:
             put(name, (rows,), fill, None if sampling is None else getattr(sampling, name))
         leases = stage_leases(buffers, rows, pages, step, residency, self.scratch_page) if key.resolves else None
         buffers.end()
+        if previous is not None:
+            ids = buffers.view("input_ids", rows)
+            ids.copy_(with_previous_tokens(ids, buffers.view("prev_rows", rows), last_tokens))
 
         batch = self._batches.get(key)
         if batch is None:

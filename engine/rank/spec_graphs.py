@@ -197,9 +197,8 @@ class SpecGraphs:
         for name, fill in SAMPLING_PADDING:
             values = getattr(step.sampling, name)
             put(name, (rows,), fill, spread(values, np.full(rows, fill, dtype=values.numpy().dtype)))
-        put("real_rows", (len(real),), 0, real)
-        if step.continues:
-            put("replayed", (key.requests, 2 * self.k), -1, step.replayed)
+        put("real_rows", (rows,), 0, real)
+        put("replayed", (key.requests, 2 * self.k), -1, step.replayed if step.continues else None)
         leases = None
         if key.resolves:
             leases = stage_leases(buffers, key.requests, pages, step, residency, self.scratch_page)
