@@ -17,11 +17,12 @@ token ids: the indexer, the residency resolve and its miss copies, sparse MLA,
 the fused MoE and, with tensor parallelism, the all-reduces. A step then costs
 the host its inputs staged in pinned memory and copied in one transfer, one
 replay and one read of the token ids. The greedy shapes at the narrowest width
-are captured when the pool is built; other shapes on their first step, which runs eagerly through the
-same buffers and is captured after (every rank decides the same, so their
-collectives stay in step). Off the GPU the same buffers and padding run without
-capture. Steps with prefill rows, more requests than the largest batch size or
-contexts beyond `max_model_len` run eagerly (engine/rank/worker.py).
+are captured when the pool is built; other shapes on their first step, which
+runs eagerly through the same buffers and is captured after (every rank decides
+the same, so their collectives stay in step). Off the GPU the same buffers and
+padding run without capture. Steps with prefill rows, more requests than the
+largest batch size or contexts beyond `max_model_len` run eagerly
+(engine/rank/worker.py).
 """
 
 from __future__ import annotations
