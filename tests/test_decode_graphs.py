@@ -107,3 +107,5 @@ def test_step_buffers_keep_a_shapes_fields_in_place() -> None:
         buffers.view("table", 2, 4)
     with pytest.raises(ValueError, match="2 elements"):
         buffers.view("ids", 4)
+    with pytest.raises(ValueError, match="cannot stage"):
+        StepBuffers({"half": (4, torch.float16)}, torch.device("cpu"))

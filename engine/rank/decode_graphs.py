@@ -111,7 +111,10 @@ class StepBuffers:
     ALIGN = 128  # bytes: every field starts on a 128-byte boundary, as the allocator's tensors do
 
     def __init__(self, sizes: dict[str, tuple[int, torch.dtype]], device: torch.device) -> None:
-        """`sizes`: each field's largest element count and its dtype."""
+        """`sizes`: each field's largest element count and its dtype (int64, int32, float32 or bool)."""
+        unstageable = sorted(name for name, (_, dtype) in sizes.items() if dtype not in _NUMPY)
+        if unstageable:
+            raise ValueError(f"fields {unstageable} have a dtype the host twin cannot stage")
         self.device = device
         self.dtypes = {name: dtype for name, (_, dtype) in sizes.items()}
         capacity = sum(self._aligned(n * dtype.itemsize) for n, dtype in sizes.values())
