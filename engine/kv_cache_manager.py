@@ -189,6 +189,8 @@ class KVCacheManager:
         """Grows `req` to hold `num_tokens` tokens; False (nothing taken) if pages are short."""
         mla = max(_ceil_div(num_tokens, self.page_size) - len(req.mla_pages), 0)
         idx = max(_ceil_div(num_tokens, self.indexer_page_tokens) - len(req.indexer_pages), 0)
+        if mla + idx == 0:  # most decode steps: the token lands in a page the request holds
+            return True
         if mla + idx > self.cache.num_available:
             return False
         req.mla_pages += self.cache.allocate(mla, PageUse.MLA)
