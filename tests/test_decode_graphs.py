@@ -97,9 +97,9 @@ def test_step_buffers_keep_a_shapes_fields_in_place() -> None:
     assert ids.tolist() == [10, 11, 12, 13] and table.tolist() == [[-1] * 4] * 2
     stage(np.arange(20), None, 20)  # another shape: its wider ids push the fields after them further
     assert buffers.view("table", 2, 4).data_ptr() > table.data_ptr()
+    buffers.begin()
     with pytest.raises(ValueError, match="at most 32"):
         buffers.put("ids", (33,), 0)
-    buffers.begin()
     buffers.put("ids", (2,), 0)
     with pytest.raises(ValueError, match="staged once"):
         buffers.put("ids", (2,), 0)

@@ -142,8 +142,10 @@ class StepBuffers:
             value: torch.Tensor | np.ndarray | None = None) -> None:
         """Stages field `name` as [shape] next: `value` (host memory) in its leading corner, `pad` elsewhere."""
         size = math.prod(shape)
-        if size > self._capacity[name] or name in self._placed:
-            raise ValueError(f"{name} is staged once a step, at most {self._capacity[name]} elements (got {size})")
+        if name in self._placed:
+            raise ValueError(f"{name} is staged once a step")
+        if size > self._capacity[name]:
+            raise ValueError(f"{name} holds at most {self._capacity[name]} elements, {size} staged")
         dtype = self.dtypes[name]
         start = self._end
         self._end = start + self._aligned(size * dtype.itemsize)
