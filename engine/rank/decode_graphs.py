@@ -98,6 +98,10 @@ class GraphKey:
     sampler: SamplerMode
 
 
+# the dtypes a step stages, as the host twin's numpy views hold them
+_NUMPY = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
+
+
 class StepBuffers:
     """A step's inputs in one device arena with a pinned host twin, copied over in one transfer a step.
 
@@ -173,9 +177,6 @@ class StepBuffers:
             raise ValueError(f"{name} was staged with {size} elements, {tuple(shape)} asked")
         dtype = self.dtypes[name]
         return self.arena[start : start + size * dtype.itemsize].view(dtype)[: math.prod(shape)].view(shape)
-
-
-_NUMPY = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.bool: np.bool_}
 
 
 class DecodeGraphs:
