@@ -88,8 +88,8 @@ def nvcc_flags(arch: str, defines: tuple[tuple[str, int], ...] = ()) -> list[str
 
 
 def compile_cubin(source: Path, arch: str, nvcc: str, defines: tuple[tuple[str, int], ...] = ()) -> bytes:
-    """The cubin of `source` for `arch` (e.g. "sm_90") with the macros `defines`, from the cache or built now.
-    Raises on a failed build with nvcc's messages."""
+    """The cubin of `source` for `arch` (e.g. "sm_90", or "sm_90a" for its arch-specific features) with the
+    macros `defines`, from the cache or built now. Raises on a failed build with nvcc's messages."""
     flags = nvcc_flags(arch, defines)
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
     text = source.read_bytes()
@@ -118,12 +118,15 @@ class CudaKernel:
     """One `extern "C"` kernel of a .cu file taking one struct parameter, launched on the current stream."""
 
     def __init__(self, source: Path, name: str, shared_bytes: int, defines: tuple[tuple[str, int], ...] = (),
-                 min_capability: tuple[int, int] = (9, 0)):
+                 min_capability: tuple[int, int] = (9, 0), arch_specific: bool = False):
+        """`arch_specific`: the kernel uses features of exactly `min_capability` (sm_90a's wgmma), so it is
+        built for that architecture's "a" target and runs on no other."""
         self.source = source
         self.defines = defines
         self.name = name
         self.shared_bytes = shared_bytes
         self.min_capability = min_capability
+        self.arch_specific = arch_specific
         self._functions: dict[int, ctypes.c_void_p | None] = {}  # device index -> function, None: unavailable
         self._contexts: dict[int, ctypes.c_void_p] = {}
         self._lock = threading.Lock()
@@ -141,16 +144,17 @@ class CudaKernel:
 
     def _load(self, index: int) -> ctypes.c_void_p | None:
         major, minor = torch.cuda.get_device_capability(index)
-        if (major, minor) < self.min_capability:
-            log.info("%s needs compute capability %s; device %d has %d.%d", self.name, self.min_capability,
-                     index, major, minor)
+        if (major, minor) < self.min_capability or (self.arch_specific and (major, minor) != self.min_capability):
+            log.info("%s needs compute capability %s%s; device %d has %d.%d", self.name, self.min_capability,
+                     " exactly" if self.arch_specific else "", index, major, minor)
             return None
         nvcc = find_nvcc()
         if nvcc is None:
             log.warning("no nvcc found: %s falls back to its Triton kernel", self.name)
             return None
         try:
-            data = compile_cubin(self.source, f"sm_{major}{minor}", nvcc, self.defines)
+            arch = f"sm_{major}{minor}" + ("a" if self.arch_specific else "")
+            data = compile_cubin(self.source, arch, nvcc, self.defines)
             self._make_current(index)
             module, function = ctypes.c_void_p(), ctypes.c_void_p()
             _check(_cuda().cuModuleLoadData(ctypes.byref(module), data), "cuModuleLoadData")

@@ -52,17 +52,20 @@ class SparseMLAConfig:
     num_stages: int = 2
     prefetch: bool = False  # load tile i+1 into registers while tile i computes
     dequant_f32: bool = False  # fp8 rows: scale in float32 (else in the compute dtype, fp16)
-    cuda: bool = False  # the CUDA kernel (kernels/sparse_mla_fp8.cu) where `sparse_mla_cuda.supports` holds
+    cuda: bool = False  # the CUDA kernels (kernels/sparse_mla_fp8*.cu) where `sparse_mla_cuda.supports` holds
     cuda_waves: float = 1.0  # its splits: about this many times the CTAs the GPU holds at once
 
     @classmethod
     def for_problem(cls, num_heads: int, kv_format: str, num_rows: int = 1) -> "SparseMLAConfig":
         """The measured defaults on an H200 (bench/RESULTS.md): FP8 rows at up to 8 heads take the CUDA kernel
         at every batch (B = 1 / 8 / 32 / 64 / 128: 9.5 / 12.7 / 22.9 / 37.1 / 60.8 us against the Triton
-        kernel's 11.5 / 18.3 / 56.6 / 101.2 / 211.0, eighteenth session); the Triton tiles stay for the rest
-        and for machines where the CUDA kernel cannot be built."""
+        kernel's 11.5 / 18.3 / 56.6 / 101.2 / 211.0, eighteenth session), and from 17 to 64 heads the wgmma
+        kernel (64 heads, B = 8 / 32 / 64 / 128: 27 / 64 / 115 / 205 us against 51 / 158 / 260 / 483,
+        twenty-fifth session); the Triton tiles stay for the rest (9 to 16 heads would pad to 64 there) and
+        for machines where the CUDA kernels cannot be built."""
         tiles = cls._triton_tiles(num_heads, kv_format, num_rows)
-        if kv_format == "fp8" and num_heads <= sparse_mla_cuda.MAX_HEADS:
+        if kv_format == "fp8" and (num_heads <= sparse_mla_cuda.MAX_HEADS
+                                   or 16 < num_heads <= sparse_mla_cuda.WIDE_MAX_HEADS):
             return replace(tiles, cuda=True)
         return tiles
 
@@ -405,7 +408,8 @@ def _sparse_mla_cuda(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, len
     """The CUDA kernel's launch, its splits merged by the combine kernel."""
     n, h, _ = q.shape
     k = slots.shape[1]
-    splits, split_len = sparse_mla_cuda.num_splits(n, k, cfg.cuda_waves, q.device, splits=cfg.num_splits)
+    splits, split_len = sparse_mla_cuda.num_splits(n, k, cfg.cuda_waves, q.device, splits=cfg.num_splits,
+                                                   step=sparse_mla_cuda.rows_per_step(h))
     part, lse = _partials(n, splits, h, out.shape[2], q.device)
     sparse_mla_cuda.launch(q, kv, slots, lens, out, part, lse, splits, split_len, scale * _LOG2E)
     if splits > 1:

@@ -1,8 +1,9 @@
-"""Launcher of the CUDA sparse MLA decode over FP8 rows (`sparse_mla_fp8.cu`): GLM's row shape (512 latent
-values, 64 rope values), at most 8 heads (one rank of GLM-5.3 at TP 8), bf16 queries, on a GPU of compute
-capability 9.0 with nvcc at hand. `kernels.sparse_mla.sparse_mla` takes it for the configurations that ask
-for it (`SparseMLAConfig.cuda`) when `supports` holds, and merges its splits with the Triton combine kernel;
-elsewhere the Triton kernel runs."""
+"""Launchers of the CUDA sparse MLA decode kernels over FP8 rows, GLM's row shape (512 latent values, 64 rope
+values), bf16 queries, with nvcc at hand: `sparse_mla_fp8.cu` for at most 8 heads (one rank of GLM-5.3 at
+TP 8; compute capability 9.0 and up) and `sparse_mla_fp8_h64.cu` for 9 to 64 heads (GLM-5.3's 64 heads on
+one GPU; Hopper's wgmma, so sm_90 only). `kernels.sparse_mla.sparse_mla` takes them for the configurations
+that ask for it (`SparseMLAConfig.cuda`) when `supports` holds, and merges their splits with the Triton
+combine kernel; elsewhere the Triton kernel runs."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ import triton
 from kernels.cubin import CudaKernel
 
 LATENT_DIM, ROPE_DIM, MAX_HEADS = 512, 64, 8
+WIDE_MAX_HEADS = 64  # the wgmma kernel's M: fewer heads are zero queries
 TILE = 16  # rows a tile, as in the .cu
+WIDE_TILE = 32  # rows a tile of the 64-head .cu
 ROW_BYTES = LATENT_DIM + 4 * (LATENT_DIM // 128) + 2 * ROPE_DIM
 _SOURCE = Path(__file__).with_name("sparse_mla_fp8.cu")
+_WIDE_SOURCE = Path(__file__).with_name("sparse_mla_fp8_h64.cu")
 
 
 @dataclass(frozen=True)
@@ -56,13 +60,45 @@ class Variant:
                 ("SMLA_SHARED_BYTES", self.shared_bytes))
 
 
+@dataclass(frozen=True)
+class WideVariant:
+    """The 64-head .cu's compile-time shape: raw tiles gathered ahead. Its shared memory holds the query and
+    two converted tiles in fp16 (147 KB), so three raw stages are what fits beside them."""
+
+    stages: int = 3
+
+    @property
+    def shared_bytes(self) -> int:
+        values = LATENT_DIM + ROPE_DIM
+        query = WIDE_MAX_HEADS * values * 2
+        tiles = 2 * WIDE_TILE * values * 2
+        stages = self.stages * (WIDE_TILE * ROW_BYTES + 8)  # rows, mbarrier
+        partial_scores = 2 * 4 * 128 * 16  # [warpgroup, 4, thread] float4
+        return query + tiles + stages + partial_scores
+
+    @property
+    def defines(self) -> tuple[tuple[str, int], ...]:
+        return (("SMLA64_STAGES", self.stages), ("SMLA64_SHARED_BYTES", self.shared_bytes))
+
+
 DEFAULT = Variant()
+WIDE = WideVariant()
 _KERNEL = CudaKernel(_SOURCE, "sparse_mla_fp8_h8", DEFAULT.shared_bytes, DEFAULT.defines)
+_WIDE_KERNEL = CudaKernel(_WIDE_SOURCE, "sparse_mla_fp8_h64", WIDE.shared_bytes, WIDE.defines, arch_specific=True)
 
 
-def available(device: torch.device) -> bool:
-    """Whether the kernel is built and loaded for `device` (on first ask; never on a CPU)."""
-    return _KERNEL.available(device)
+def _kernel(num_heads: int) -> CudaKernel:
+    return _KERNEL if num_heads <= MAX_HEADS else _WIDE_KERNEL
+
+
+def available(device: torch.device, num_heads: int = MAX_HEADS) -> bool:
+    """Whether the kernel for `num_heads` is built and loaded for `device` (on first ask; never on a CPU)."""
+    return num_heads <= WIDE_MAX_HEADS and _kernel(num_heads).available(device)
+
+
+def rows_per_step(num_heads: int) -> int:
+    """A split of the kernel for `num_heads` is a whole number of these rows."""
+    return DEFAULT.rows_per_step if num_heads <= MAX_HEADS else WIDE_TILE
 
 
 class _Params(ctypes.Structure):
@@ -82,17 +118,22 @@ class _Params(ctypes.Structure):
 
 def supports(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, kv_format: str, latent_dim: int,
              rope_dim: int) -> bool:
-    """Whether the CUDA kernel can run this call: shapes, dtypes, 16-byte aligned rows, pages of a power of
-    two rows, queries read four values (8 bytes) and outputs written four at a time, a capable GPU."""
+    """Whether a CUDA kernel can run this call: shapes, dtypes, 16-byte aligned rows, pages of a power of
+    two rows, queries read four values (8 bytes; eight, 16 bytes, above 8 heads) and outputs written four
+    at a time (two above 8 heads), a capable GPU."""
     page = kv.shape[1]
+    heads = q.shape[1]
+    vector = 4 if heads <= MAX_HEADS else 8  # query values a load
+    written = 4 if heads <= MAX_HEADS else 2  # output values a store
     return (
         kv_format == "fp8" and latent_dim == LATENT_DIM and rope_dim == ROPE_DIM and q.is_cuda
-        and q.shape[1] <= MAX_HEADS and q.dtype == torch.bfloat16 and out.dtype in (torch.bfloat16, torch.float32)
-        and q.stride(0) % 4 == 0 and q.stride(1) % 4 == 0 and q.data_ptr() % 8 == 0
-        and out.stride(0) % 4 == 0 and out.stride(1) % 4 == 0 and out.data_ptr() % 16 == 0
+        and q.dtype == torch.bfloat16 and out.dtype in (torch.bfloat16, torch.float32)
+        and q.stride(0) % vector == 0 and q.stride(1) % vector == 0 and q.data_ptr() % (2 * vector) == 0
+        and out.stride(0) % written == 0 and out.stride(1) % written == 0
+        and out.data_ptr() % (written * out.element_size()) == 0
         and kv.data_ptr() % 16 == 0 and kv.stride(0) % 16 == 0 and kv.stride(1) % 16 == 0
         and page > 0 and page & (page - 1) == 0
-        and available(q.device)
+        and available(q.device, heads)
     )
 
 
@@ -110,8 +151,8 @@ def num_splits(num_rows: int, k: int, waves: float, device: torch.device,
 def launch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, out: torch.Tensor,
            part: torch.Tensor | None, lse: torch.Tensor | None, splits: int, split_len: int,
            scale_log2: float) -> None:
-    """One launch over grid (splits, rows): `out` directly with one split, else `part` / `lse` for the
-    combine kernel (the Triton kernel's layout). Only where `supports` holds."""
+    """One launch of the kernel for q's heads over grid (splits, rows): `out` directly with one split, else
+    `part` / `lse` for the combine kernel (the Triton kernel's layout). Only where `supports` holds."""
     n, heads, _ = q.shape
     params = _Params(
         q.data_ptr(), kv.data_ptr(), slots.data_ptr(), lens.data_ptr(), out.data_ptr(),
@@ -119,4 +160,5 @@ def launch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lens: torch.T
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), slots.stride(0), out.stride(0), out.stride(1),
         heads, splits, split_len, kv.shape[1].bit_length() - 1, int(out.dtype == torch.bfloat16), scale_log2,
     )
-    _KERNEL.launch(q.device, (splits, n, 1), DEFAULT.warps * 32, params)
+    threads = DEFAULT.warps * 32 if heads <= MAX_HEADS else 256
+    _kernel(heads).launch(q.device, (splits, n, 1), threads, params)

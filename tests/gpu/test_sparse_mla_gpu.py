@@ -26,10 +26,10 @@ def test_sparse_mla_matches_twin_at_glm_shapes(kv_format: str, heads: int, confi
     assert check_mla(kv_format, heads, torch.bfloat16, LENS, gen, config)
 
 
-def _cuda_kernel_builds() -> bool:
+def _cuda_kernel_builds(heads: int = 8) -> bool:
     from kernels import sparse_mla_cuda
 
-    return sparse_mla_cuda.available(torch.device("cuda"))
+    return sparse_mla_cuda.available(torch.device("cuda"), heads)
 
 
 @pytest.mark.parametrize("heads", [8, 5])
@@ -42,13 +42,24 @@ def test_cuda_kernel_matches_twin(heads: int, num_splits: int | None) -> None:
     assert check_mla("fp8", heads, torch.bfloat16, LENS, gen, SparseMLAConfig(cuda=True, num_splits=num_splits))
 
 
-def test_cuda_kernel_bf16_output_and_graph_replay() -> None:
+@pytest.mark.parametrize("heads", [64, 40, 17])
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 64])
+def test_64_head_cuda_kernel_matches_twin(heads: int, num_splits: int | None) -> None:
+    """The wgmma kernel (sm_90a, built with the machine's nvcc) at 64 heads and at fewer (zero queries for the
+    rest, whose outputs must not be written), with one split, a few and one per 32-row tile."""
+    assert _cuda_kernel_builds(heads)
+    gen = torch.Generator(device="cuda").manual_seed(heads * 5 + (num_splits or 0))
+    assert check_mla("fp8", heads, torch.bfloat16, LENS, gen, SparseMLAConfig(cuda=True, num_splits=num_splits))
+
+
+@pytest.mark.parametrize("heads", [8, 64])
+def test_cuda_kernel_bf16_output_and_graph_replay(heads: int) -> None:
     """bf16 output equals the float32 output rounded; a captured launch replays new slots right."""
     from bench.gpu_check_attention import DL, DR, NUM_PAGES, glm_layout
     from kernels import sparse_mla_cuda
     from kernels.sparse_mla import sparse_mla, sparse_mla_ref
 
-    assert _cuda_kernel_builds()
+    assert _cuda_kernel_builds(heads)
     gen = torch.Generator(device="cuda").manual_seed(3)
     layout = glm_layout("fp8")
     pool = torch.randint(0, 256, (NUM_PAGES, layout.page_bytes), dtype=torch.uint8, device="cuda", generator=gen)
@@ -57,17 +68,17 @@ def test_cuda_kernel_bf16_output_and_graph_replay() -> None:
     view.copy_(layout.encode_mla(torch.randn(num, DL, device="cuda", generator=gen),
                                  torch.randn(num, DR, device="cuda", generator=gen)).view(view.shape))
     n = 16
-    q = torch.randn(n, 8, DL + DR, device="cuda", generator=gen).to(torch.bfloat16)
+    q = torch.randn(n, heads, DL + DR, device="cuda", generator=gen).to(torch.bfloat16)
     slots = torch.randint(0, num, (n, TOPK), dtype=torch.int32, device="cuda", generator=gen)
     lens = torch.randint(1, TOPK + 1, (n,), dtype=torch.int32, device="cuda", generator=gen)
     kw = dict(kv_format="fp8", latent_dim=DL, rope_dim=DR, scale=0.05, config=SparseMLAConfig(cuda=True))
-    probe = torch.empty(n, 8, DL, device="cuda")
+    probe = torch.empty(n, heads, DL, device="cuda")
     assert sparse_mla_cuda.supports(q, view, probe, "fp8", DL, DR)  # else the Triton kernel would be tested here
     full = sparse_mla(q, view, slots, lens, **kw, out_dtype=torch.float32)
     half = sparse_mla(q, view, slots, lens, **kw, out_dtype=torch.bfloat16)
     assert torch.equal(half, full.to(torch.bfloat16))
 
-    out = torch.empty(n, 8, DL, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(n, heads, DL, device="cuda", dtype=torch.bfloat16)
     sparse_mla(q, view, slots, lens, **kw, out=out)  # warm up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
