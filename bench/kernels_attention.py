@@ -9,8 +9,10 @@ median time per call of a CUDA graph replaying the launch over rotating inputs
 runs under CUDA graphs too), achieved GB/s
 (bytes of selected MLA rows, or of indexer rows scored), the share of the HBM
 copy bandwidth measured in the same run (device-to-device copy, bytes read plus
-written), and the speed-up over the PyTorch twin (triton.testing.do_bench, L2 flushed) where
-the twin fits in memory; for sparse MLA also the same rows gathered alone (`bench/row_gather.cu`, built
+written), for sparse MLA the TFLOP/s of its two products and their share of a
+bf16 dense matmul measured in the same run (the ceiling at 64 heads, where the
+work is the tensor cores'), and the speed-up over the PyTorch twin
+(triton.testing.do_bench, L2 flushed) where the twin fits in memory; for sparse MLA also the same rows gathered alone (`bench/row_gather.cu`, built
 with nvcc where there is one): the ceiling of this access pattern, random rows of 656 or 1,152 bytes; for
 the indexer also scoring plus the top-K kernel (`kernels.topk`), and at
 B <= 8 the same with programmatic dependent launch, as the engine's decode graphs of so few rows launch it.
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench.timing import OUT_DIR, bench, bench_graph, hbm_copy_gbs, pick, run_log  # noqa: E402
+from bench.timing import OUT_DIR, bench, bench_graph, dense_tflops, hbm_copy_gbs, pick, run_log  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
 from engine.rank.decode_graphs import PDL_MAX_ROWS  # noqa: E402
 from kernels import pdl, sparse_mla_cuda  # noqa: E402
@@ -56,7 +58,8 @@ MLA_CONFIGS = {  # (rows, heads): tried at B=64; the best is then also tried wit
     ("bf16", 8): [_C(block_k=32, num_warps=4, prefetch=True), _C(block_k=32, num_warps=4, num_stages=2),
                   _C(block_k=32, num_warps=8, num_stages=3),
                   _C(block_k=64, num_warps=8, num_stages=3)],
-    ("fp8", 64): [_C(block_h=64, block_k=32, num_warps=8), _C(block_h=64, block_k=32, num_warps=8, dequant_f32=True),
+    ("fp8", 64): [_C(cuda=True), _C(block_h=64, block_k=32, num_warps=8),
+                  _C(block_h=64, block_k=32, num_warps=8, dequant_f32=True),
                   _C(block_h=16, block_k=64, num_warps=8), _C(block_h=32, block_k=32, num_warps=8)],
     ("bf16", 64): [_C(block_h=16, block_k=64, num_warps=8), _C(block_h=64, block_k=32, num_warps=8),
                    _C(block_h=32, block_k=64, num_warps=8)],
@@ -157,12 +160,14 @@ def _pick(label: str, candidates: list, time_of) -> object:
 
 
 def run_mla(hbm: float, rows_out: list) -> None:
+    tflops = dense_tflops()  # the tensor cores' ceiling, for 64 heads (about 200 flops a row byte)
+    log(f"bf16 dense matmul 8192^3: {tflops:.0f} TFLOP/s")
     for kv_format in ("fp8", "bf16"):
-        run_mla_format(kv_format, hbm, rows_out)
+        run_mla_format(kv_format, hbm, tflops, rows_out)
         torch.cuda.empty_cache()  # the format's pool went with its frame
 
 
-def run_mla_format(kv_format: str, hbm: float, rows_out: list) -> None:
+def run_mla_format(kv_format: str, hbm: float, tflops: float, rows_out: list) -> None:
     layout = glm_layout(kv_format)
     pool = make_pool(layout)
     view = fill_mla_view(layout, pool, 2)
@@ -194,8 +199,10 @@ def run_mla_format(kv_format: str, hbm: float, rows_out: list) -> None:
             twin_ms = bench(lambda: sparse_mla_ref(q, view, slots[0], lens, **kw), rep=30)
             ceiling_ms = gather_ceiling_ms(view, slots, lens)
             gbs = nbytes / ms / 1e6
+            flops = b * 2 * heads * TOPK * (DL + DR + DL)  # scores and output
             rows_out.append(dict(kernel="sparse_mla", fmt=kv_format, heads=heads, B=b, ctx=f"K={TOPK}",
                                  MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin_ms / ms,
+                                 tflops=flops / ms / 1e9, matmul=flops / ms / 1e9 / tflops,
                                  cfg=_cfg_name(best), default_us=default_ms * 1e3,
                                  default_hbm=nbytes / default_ms / 1e6 / hbm,
                                  default_cfg=_cfg_name(SparseMLAConfig.for_problem(heads, kv_format, b)),
@@ -263,7 +270,7 @@ def run_indexer_format(kv_format: str, hbm: float, rows_out: list) -> bool:
 
 
 HEADER = ["kernel", "rows", "heads", "B", "K / ctx", "MB read", "time us", "GB/s", "of HBM copy",
-          "x twin", "tiles", "+topk us", "+topk us, PDL", "defaults us (of HBM copy)",
+          "TFLOP/s (of bf16 matmul)", "x twin", "tiles", "+topk us", "+topk us, PDL", "defaults us (of HBM copy)",
           "rows gathered alone us (of HBM copy)", "defaults of gathers alone"]
 
 
@@ -278,8 +285,9 @@ def _cells(r: dict) -> list:
     if r.get("ceiling_us") is not None:
         ceiling = f"{r['ceiling_us']:.1f} ({100 * r['ceiling_hbm']:.0f}%)"
         share = f"{100 * r['ceiling_us'] / r['default_us']:.0f}%"
+    flops = f"{r['tflops']:.0f} ({100 * r['matmul']:.0f}%)" if "tflops" in r else "-"
     return [r["kernel"], r["fmt"], r["heads"], r["B"], r["ctx"], f"{r['MB']:.1f}", f"{r['us']:.1f}",
-            f"{r['gbs']:.0f}", f"{100 * r['hbm']:.0f}%", twin, r["cfg"], topk, topk_pdl, default, ceiling, share]
+            f"{r['gbs']:.0f}", f"{100 * r['hbm']:.0f}%", flops, twin, r["cfg"], topk, topk_pdl, default, ceiling, share]
 
 
 def main() -> int:

@@ -55,7 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.timing import event_median_ms, hbm_copy_gbs, in_fresh_process  # noqa: E402
+from bench.timing import dense_tflops, hbm_copy_gbs, in_fresh_process  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
 from engine.layers import MoE  # noqa: E402
@@ -89,12 +89,6 @@ def rank_config(layers: int, fp8: bool) -> dict:
     if fp8:
         raw["quantization_config"] = FP8_QUANTIZATION
     return raw
-
-
-def dense_tflops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    a @ a  # noqa: B018 - warm-up
-    return 2 * 8192**3 / event_median_ms(lambda: a @ a) / 1e9
 
 
 class ExpertCounter:

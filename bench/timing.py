@@ -87,6 +87,13 @@ def bench_graph(fns: list[Callable[[], object]], iters: int = 10) -> float:
     return ms / len(fns)
 
 
+def dense_tflops() -> float:
+    """bf16 dense matmul TFLOP/s (8192^3): the tensor cores' ceiling for the flop floors."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a @ a  # noqa: B018 - warm-up
+    return 2 * 8192**3 / event_median_ms(lambda: a @ a) / 1e9
+
+
 def hbm_copy_gbs() -> float:
     """HBM copy bandwidth in GB/s (bytes read + written), its buffers freed afterwards."""
     src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda").random_()
