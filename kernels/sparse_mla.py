@@ -60,7 +60,7 @@ class SparseMLAConfig:
         """The measured defaults on an H200 (bench/RESULTS.md): FP8 rows at up to 8 heads take the CUDA kernel
         at every batch (B = 1 / 8 / 32 / 64 / 128: 9.5 / 12.7 / 22.9 / 37.1 / 60.8 us against the Triton
         kernel's 11.5 / 18.3 / 56.6 / 101.2 / 211.0, eighteenth session), and from 17 to 64 heads the wgmma
-        kernel (64 heads, B = 8 / 32 / 64 / 128: 27 / 55 / 90 / 156 us against 51 / 157 / 260 / 487,
+        kernel (64 heads, B = 8 / 32 / 64 / 128: 24 / 49 / 82 / 138 us against 51 / 157 / 260 / 487,
         twenty-fifth session); the Triton tiles stay for the rest (9 to 16 heads would pad to 64 there) and
         for machines where the CUDA kernels cannot be built."""
         tiles = cls._triton_tiles(num_heads, kv_format, num_rows)

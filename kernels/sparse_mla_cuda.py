@@ -66,6 +66,7 @@ class WideVariant:
     two converted tiles in fp16 (147 KB), so three raw stages are what fits beside them."""
 
     stages: int = 3
+    threads: int = 384  # two consumer warpgroups and a producer
 
     @property
     def shared_bytes(self) -> int:
@@ -73,8 +74,9 @@ class WideVariant:
         query = WIDE_MAX_HEADS * values * 2
         tiles = 2 * WIDE_TILE * values * 2
         stages = self.stages * (WIDE_TILE * ROW_BYTES + 8)  # rows, mbarrier
-        partial_scores = 2 * 4 * 128 * 16  # [warpgroup, 4, thread] float4
-        return query + tiles + stages + partial_scores
+        partial_scores = 2 * 4 * 128 * 16  # [consumer, 4, thread] float4
+        tile_barriers = 2 * 2 * 8  # a tile buffer's full and empty
+        return query + tiles + stages + partial_scores + tile_barriers
 
     @property
     def defines(self) -> tuple[tuple[str, int], ...]:
@@ -160,5 +162,5 @@ def launch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lens: torch.T
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), slots.stride(0), out.stride(0), out.stride(1),
         heads, splits, split_len, kv.shape[1].bit_length() - 1, int(out.dtype == torch.bfloat16), scale_log2,
     )
-    threads = DEFAULT.warps * 32 if heads <= MAX_HEADS else 256
+    threads = DEFAULT.warps * 32 if heads <= MAX_HEADS else WIDE.threads
     _kernel(heads).launch(q.device, (splits, n, 1), threads, params)

@@ -4,32 +4,33 @@
 // row once per 16 heads. Here the Hopper warpgroup MMA (wgmma) reads both operands of the scores and the
 // rows of the output straight from shared memory, 64 heads a product.
 //
-// Work: one CTA per (split of K, query row), two warpgroups. A tile is 32 selected rows:
+// Work: one CTA per (split of K, query row), three warpgroups. A tile is 32 selected rows. The producer
+// (warpgroup 2, 72 registers a thread) gathers and converts; the two consumers (216 registers) compute, on
+// tile i while the producer converts tile i + 1 (bench/NOTES.md: with everyone doing every phase in turn the
+// gathers' issue and the conversion held up the products, 91 -> 82 us at B = 64):
 //  - gathered raw by one bulk copy a row (the copy engine, completing on the stage's mbarrier), STAGES tiles
-//    ahead, four rows by each warp;
-//  - converted once, by all 256 threads, into fp16 with its block scales applied, laid out in the wgmma's
-//    canonical no-swizzle form: 8 x 8 "core matrices" of 128 contiguous bytes, [row / 8][column / 8][row % 8]
-//    [column % 8]. The same tile is the K-major B operand of the scores (columns are K) and the MN-major B
-//    operand of the output (rows are K), so one copy serves both products; two tile buffers let tile i + 1
-//    be converted while tile i's products run;
-//  - scores S[head, row] = Q K^T: warpgroup w takes half of the 576 columns (18 steps of m64n32k16, the
-//    query in the same layout in shared memory as the A operand), the halves are added through shared
-//    memory in the same order in both warpgroups, so both hold the same scores and make the same softmax
-//    decisions;
+//    ahead, eight rows by each producer warp;
+//  - converted once into fp16 with its block scales applied, laid out in the wgmma's canonical no-swizzle
+//    form: 8 x 8 "core matrices" of 128 contiguous bytes, [row / 8][column / 8][row % 8][column % 8]. The same
+//    tile is the K-major B operand of the scores (columns are K) and the MN-major B operand of the output
+//    (rows are K), so one copy serves both products. Two tile buffers, each with a "full" mbarrier (the
+//    producer's) and an "empty" one (the consumers');
+//  - scores S[head, row] = Q K^T: consumer w takes half of the 576 columns (18 steps of m64n32k16, the query
+//    in the same layout in shared memory as the A operand), the halves are added through shared memory in
+//    the same order in both warpgroups, so both hold the same scores and make the same softmax decisions;
 //  - online softmax in base 2 with a lazy rescale (the running maximum moves only when a tile's maximum
 //    exceeds it by more than TAU, so the accumulators are rarely touched; probabilities stay <= 2^TAU, well
 //    inside fp16);
-//  - output O[head, column] += P V: warpgroup w owns 256 of the 512 columns (128 float32 accumulators a
+//  - output O[head, column] += P V: consumer w owns 256 of the 512 columns (128 float32 accumulators a
 //    thread); P goes from the scores' accumulators straight into A fragments (registers), V is the tile.
-// Tile i + 1 is converted while the scores of tile i run.
-// At the end each warpgroup writes its columns: the output (one split) or its normalised partial and
+// At the end each consumer writes its columns: the output (one split) or its normalised partial and
 // log-sum-exp (base 2) for kernels/sparse_mla.py's combine kernel.
 //
 // Rows past a query's length (or its split's end) repeat the last row in range in the gather and are masked
 // to -inf; a query of length 0 gets zeros. Heads past `num_heads` are zero queries whose outputs are not
 // written. Row layout (kernels/fp8_rows.py): 512 e4m3 values, four float32 block scales, 64 bf16 rope
 // values; every row starts 16-byte aligned and a page holds a power of two rows (the launcher checks both).
-// Built for sm_90a (wgmma).
+// Built for sm_90a (wgmma, setmaxnreg).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -44,7 +45,14 @@ constexpr int NB = DL / 128;               // block scales a row
 constexpr int ROW = DL + 4 * NB + 2 * DR;  // 656 bytes
 constexpr int HEADS = 64;                  // wgmma's M
 constexpr int TILE = 32;                   // rows a tile: the scores' N, two K steps of the output
-constexpr int THREADS = 256;               // two warpgroups
+constexpr int THREADS = 384;               // two consumer warpgroups and a producer
+constexpr int CONSUMERS = 256;
+// Registers a thread after the split: 2 x 128 x 216 + 128 x 72 is the launch's 384 x 168 (setmaxnreg.inc
+// waits for registers the producer's dec gives back, so more would never return).
+constexpr int CONSUMER_REGISTERS = 216;
+constexpr int PRODUCER_REGISTERS = 72;
+static_assert(CONSUMERS * CONSUMER_REGISTERS + (THREADS - CONSUMERS) * PRODUCER_REGISTERS == THREADS * 168,
+              "the register split must give back exactly what the launch allocated");
 constexpr int CORE = 128;                  // bytes of a core matrix: 8 rows of 8 fp16 values
 constexpr int CHUNKS = D / 8;              // core matrices along a row of 576 values
 constexpr int ROW_BLOCK = CHUNKS * CORE;   // bytes between core matrices 8 rows apart (9,216)
@@ -56,15 +64,16 @@ constexpr int KT_BYTES = TILE * D * 2;
 constexpr int STAGES = SMLA64_STAGES;
 constexpr int STAGE_BYTES = TILE * ROW;
 constexpr int SCORE_STEPS = D / 16 / 2;      // k16 steps of a warpgroup's half of the scores
-constexpr int X_BYTES = 2 * 4 * THREADS / 2 * 16;  // [warpgroup][4][thread] float4: the partial scores
+constexpr int X_BYTES = 2 * 4 * 128 * 16;  // [consumer][4][thread] float4: the partial scores
 constexpr int OUT_COLS = DL / 2;             // columns of the output a warpgroup owns
 constexpr int OUT_BLOCKS = OUT_COLS / 64;    // m64n64k16 products a K step
 constexpr float TAU = 8.0f;
 
 static_assert(ROW % 16 == 0, "bulk copies need 16-byte aligned rows");
 #ifdef SMLA64_SHARED_BYTES
-static_assert(SMLA64_SHARED_BYTES == Q_BYTES + 2 * KT_BYTES + STAGES * STAGE_BYTES + X_BYTES + STAGES * 8,
-              "the launcher's shared memory must be the kernel's layout: query, two tiles, stages, scores, barriers");
+static_assert(SMLA64_SHARED_BYTES == Q_BYTES + 2 * KT_BYTES + STAGES * STAGE_BYTES + X_BYTES + (STAGES + 4) * 8,
+              "the launcher's shared memory must be the kernel's layout: query, two tiles, stages, scores, "
+              "barriers (a stage's, two tiles' full and empty)");
 #endif
 
 }  // namespace
@@ -232,24 +241,32 @@ __device__ __forceinline__ float sum_over_quad(float v) {
 
 }  // namespace
 
+
+// The named barriers: 0 is __syncthreads, 1 the producer's 128 threads, 2 the consumers' 256.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(const SparseMLAParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* qs = smem;                                              // [HEADS / 8][CHUNKS][8][8] fp16
   uint8_t* tiles_s = qs + Q_BYTES;                                 // 2 x [TILE / 8][CHUNKS][8][8] fp16
   uint8_t* ring = tiles_s + 2 * KT_BYTES;                          // [STAGES][TILE][ROW] raw rows
   float4* xbuf = reinterpret_cast<float4*>(ring + STAGES * STAGE_BYTES);        // [2][4][128]
-  uint64_t* bars = reinterpret_cast<uint64_t*>(ring + STAGES * STAGE_BYTES + X_BYTES);  // [STAGES]
+  uint64_t* raw_full = reinterpret_cast<uint64_t*>(ring + STAGES * STAGE_BYTES + X_BYTES);  // [STAGES]
+  uint64_t* tile_full = raw_full + STAGES;   // [2] a converted tile is ready
+  uint64_t* tile_empty = tile_full + 2;      // [2] the consumers are done with a tile buffer
 
   const int split = blockIdx.x;
   const int n = blockIdx.y;
   const int tid = threadIdx.x;
-  const int wg = tid >> 7;  // warpgroup: the scores over columns 288 wg.., the output's columns 256 wg..
+  const int wg = tid >> 7;
   const int t = tid & 127;
   const int warp = tid >> 5;
   const int lane = tid & 31;
-  const int g = lane >> 2;                    // heads 16 (warp % 4) + g and + 8
-  const int q4 = lane & 3;                    // columns 8 i + 2 q4, + 1 of each 8 of an accumulator
-  const int h0 = 16 * (warp & 3) + g;
 
   const int start = split * p.split_len;
   const int end = min(start + p.split_len, p.lens[n]);
@@ -258,85 +275,98 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(cons
 
   if (tid == 0) {
 #pragma unroll
-    for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(bars + s), 1);
+    for (int s = 0; s < STAGES; ++s) mbar_init(smem_addr(raw_full + s), 1);
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(smem_addr(tile_full + b), 1);
+      mbar_init(smem_addr(tile_empty + b), CONSUMERS);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
-  // Every warp gathers four rows of a tile (one bulk copy a lane; from one warp the copies' issue held up its
-  // warpgroup: 108 -> 95 us at B = 64), each lane reading its row's slot a tile ahead of the gather. Rows
-  // past the end repeat the last row.
-  const int my_row = 4 * warp + (lane & 3);
-  auto slot_of = [&](int j) { return j < num_tiles ? srow[min(start + j * TILE + my_row, end - 1)] : 0; };
-  // Gather tile j into stage j % STAGES (thread 0 arms the stage's barrier with the tile's bytes).
-  auto issue = [&](int j, int slot) {
-    const uint8_t* src = p.kv + (slot >> p.page_shift) * p.kv_stride_page +
-                         (slot & ((1 << p.page_shift) - 1)) * p.kv_stride_tok;
-    const uint32_t bar = smem_addr(bars + j % STAGES);
-    if (tid == 0) mbar_expect_tx(bar, STAGE_BYTES);
-    if (lane < 4) bulk_copy(smem_addr(ring + (j % STAGES) * STAGE_BYTES + my_row * ROW), src, ROW, bar);
-  };
-  for (int j = 0; j < STAGES && j < num_tiles; ++j) issue(j, slot_of(j));
-  int next_slot = slot_of(STAGES);  // this lane's slot of the next tile to gather
+  if (wg == 2) {  // the producer: gathers and converts tile j while the consumers compute tile j - 1
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGISTERS));
+    const int pw = warp - 8;
+    const int my_row = 8 * pw + (lane & 7);
+    auto slot_of = [&](int j) { return j < num_tiles ? srow[min(start + j * TILE + my_row, end - 1)] : 0; };
+    auto issue = [&](int j, int slot) {
+      const uint8_t* src = p.kv + (slot >> p.page_shift) * p.kv_stride_page +
+                           (slot & ((1 << p.page_shift) - 1)) * p.kv_stride_tok;
+      const uint32_t bar = smem_addr(raw_full + j % STAGES);
+      if (t == 0) mbar_expect_tx(bar, STAGE_BYTES);
+      if (lane < 8) bulk_copy(smem_addr(ring + (j % STAGES) * STAGE_BYTES + my_row * ROW), src, ROW, bar);
+    };
+    for (int j = 0; j < STAGES && j < num_tiles; ++j) issue(j, slot_of(j));
+    int next_slot = slot_of(STAGES);
+    // A thread converts one row's every fourth core column from conv_col (16 latent chunks, two of the
+    // rope); the 8 threads of a row block store one core matrix, 128 contiguous bytes.
+    const int r8 = t & 7, pg = t >> 3;
+    const int conv_row = 8 * (pg & 3) + r8;
+    const int conv_col = pg >> 2;
+    for (int j = 0; j < num_tiles; ++j) {
+      const int b = j & 1;
+      if (j >= 2) mbar_wait(smem_addr(tile_empty + b), ((j >> 1) - 1) & 1);
+      mbar_wait(smem_addr(raw_full + j % STAGES), (j / STAGES) & 1);
+      const uint8_t* raw = ring + (j % STAGES) * STAGE_BYTES + conv_row * ROW;
+      uint8_t* dst = tiles_s + b * KT_BYTES + (conv_row >> 3) * ROW_BLOCK + r8 * 16;
+      const float4 scales = *reinterpret_cast<const float4*>(raw + DL);
+      const float sc[NB] = {scales.x, scales.y, scales.z, scales.w};
+      // Each value times its block's scale in fp16 (one multiply a pair) when the scales are normal fp16
+      // numbers, as with real latents; else in float32.
+      if (fp16_normal(scales.x) && fp16_normal(scales.y) && fp16_normal(scales.z) && fp16_normal(scales.w)) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int c = conv_col + 4 * i;  // scale block i / 4
+          const uint2 v = *reinterpret_cast<const uint2*>(raw + 8 * c);
+          const __half2 hs = __float2half2_rn(sc[i / 4]);
+          uint4 h;
+          e4m3x4_times(v.x, hs, h.x, h.y);
+          e4m3x4_times(v.y, hs, h.z, h.w);
+          *reinterpret_cast<uint4*>(dst + c * CORE) = h;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int c = conv_col + 4 * i;
+          const uint2 v = *reinterpret_cast<const uint2*>(raw + 8 * c);
+          uint4 h;
+          e4m3x4_scaled(v.x, sc[i / 4], h.x, h.y);
+          e4m3x4_scaled(v.y, sc[i / 4], h.z, h.w);
+          *reinterpret_cast<uint4*>(dst + c * CORE) = h;
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int c = conv_col + 4 * k;
+        const uint4 rope = *reinterpret_cast<const uint4*>(raw + DL + 4 * NB + 16 * c);
+        *reinterpret_cast<uint4*>(dst + (DL / 8 + c) * CORE) = bf16x8_to_half8(rope);
+      }
+      fence_proxy_async();
+      named_sync(1, 128);  // the tile is written, its stage read
+      if (t == 0) mbar_arrive(smem_addr(tile_full + b));
+      if (j + STAGES < num_tiles) issue(j + STAGES, next_slot);
+      next_slot = slot_of(j + STAGES + 1);
+    }
+    return;
+  }
 
-  // The query into fp16 core matrices: a thread stores row r8 of a core matrix, 8 threads one matrix.
-  const int r8 = tid & 7;
-  const int grp = tid >> 3;
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGISTERS));
+  const int g = lane >> 2;                    // heads 16 (warp % 4) + g and + 8
+  const int q4 = lane & 3;                    // columns 8 i + 2 q4, + 1 of each 8 of an accumulator
+  const int h0 = 16 * (warp & 3) + g;
   {
+    const int r8 = tid & 7, grp = tid >> 3;
     const __nv_bfloat16* qrow = p.q + n * p.q_stride_n;
 #pragma unroll 6
-    for (int j = 0; j < HEADS / 8 * CHUNKS / (THREADS / 8); ++j) {  // 576 core matrices, 32 at a time
-      const int item = grp + (THREADS / 8) * j, hb = item & 7, c = item >> 3, h = 8 * hb + r8;
+    for (int j = 0; j < HEADS / 8 * CHUNKS / (CONSUMERS / 8); ++j) {
+      const int item = grp + (CONSUMERS / 8) * j, hb = item & 7, c = item >> 3, h = 8 * hb + r8;
       uint4 v = make_uint4(0u, 0u, 0u, 0u);
       if (h < p.num_heads) v = *reinterpret_cast<const uint4*>(qrow + h * p.q_stride_h + 8 * c);
       *reinterpret_cast<uint4*>(qs + (hb * CHUNKS + c) * CORE + r8 * 16) = bf16x8_to_half8(v);
     }
   }
-
-  // Convert tile j (stage j % STAGES) into tile buffer j % 2: a thread takes one row and every eighth core
-  // column from column grp / 4 (eight latent chunks, then one of the rope's).
-  const int conv_row = 8 * (grp & 3) + r8;
-  const int conv_col = grp >> 2;
-  auto convert = [&](int j) {
-    mbar_wait(smem_addr(bars + j % STAGES), (j / STAGES) & 1);
-    const uint8_t* raw = ring + (j % STAGES) * STAGE_BYTES + conv_row * ROW;
-    uint8_t* dst = tiles_s + (j & 1) * KT_BYTES + (conv_row >> 3) * ROW_BLOCK + r8 * 16;
-    const float4 scales = *reinterpret_cast<const float4*>(raw + DL);
-    const float sc[NB] = {scales.x, scales.y, scales.z, scales.w};
-    // Each value times its block's scale in fp16 (one multiply a pair) when the scales are normal fp16
-    // numbers, as with real latents: 108 -> 103 us at B = 64.
-    if (fp16_normal(scales.x) && fp16_normal(scales.y) && fp16_normal(scales.z) && fp16_normal(scales.w)) {
-      const __half2 hs[NB] = {__float2half2_rn(scales.x), __float2half2_rn(scales.y), __float2half2_rn(scales.z),
-                              __float2half2_rn(scales.w)};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int c = conv_col + 8 * i;  // values 8c.., scale block i / 2
-        const uint2 v = *reinterpret_cast<const uint2*>(raw + 8 * c);
-        uint4 h;
-        e4m3x4_times(v.x, hs[i / 2], h.x, h.y);
-        e4m3x4_times(v.y, hs[i / 2], h.z, h.w);
-        *reinterpret_cast<uint4*>(dst + c * CORE) = h;
-      }
-    } else {  // a scale fp16 cannot hold (a block of values all below about 0.03): the products in float32
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int c = conv_col + 8 * i;
-        const uint2 v = *reinterpret_cast<const uint2*>(raw + 8 * c);
-        uint4 h;
-        e4m3x4_scaled(v.x, sc[i / 2], h.x, h.y);
-        e4m3x4_scaled(v.y, sc[i / 2], h.z, h.w);
-        *reinterpret_cast<uint4*>(dst + c * CORE) = h;
-      }
-    }
-    const uint4 rope = *reinterpret_cast<const uint4*>(raw + DL + 4 * NB + 16 * conv_col);
-    *reinterpret_cast<uint4*>(dst + (DL / 8 + conv_col) * CORE) = bf16x8_to_half8(rope);
-    fence_proxy_async();
-  };
-  if (num_tiles > 0) convert(0);
-  fence_proxy_async();  // the query, for the scores' wgmma
-  __syncthreads();
-  if (STAGES < num_tiles) issue(STAGES, next_slot);
-  next_slot = slot_of(STAGES + 1);
+  fence_proxy_async();
+  named_sync(2, CONSUMERS);
 
   const uint32_t q_addr = smem_addr(qs) + wg * SCORE_STEPS * 2 * CORE;
   const uint32_t tiles_addr = smem_addr(tiles_s);
@@ -345,12 +375,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(cons
   for (int b = 0; b < OUT_BLOCKS; ++b)
 #pragma unroll
     for (int i = 0; i < 32; ++i) o[b][i] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};  // heads h0, h0 + 8
-  float l_part[2] = {0.f, 0.f};             // this thread's columns only; summed over the quad at the end
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_part[2] = {0.f, 0.f};
 
   for (int i = 0; i < num_tiles; ++i) {
     const int k0 = start + i * TILE;
     const uint32_t tile = tiles_addr + (i & 1) * KT_BYTES;
+    mbar_wait(smem_addr(tile_full + (i & 1)), (i >> 1) & 1);
     float s[16];
 #pragma unroll
     for (int e = 0; e < 16; ++e) s[e] = 0.f;
@@ -362,19 +393,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(cons
                    st > 0);
     }
     wgmma_commit();
-    __syncthreads();  // every warpgroup is done with the other tile buffer (tile i - 1's output products)
-    if (i + 1 < num_tiles) convert(i + 1);  // while the scores run
     wgmma_wait<0>();
     fence_registers(s);
     float4* mine = xbuf + wg * 4 * 128 + t;
+    named_sync(2, CONSUMERS);  // both warpgroups have read the last tile's partial scores
 #pragma unroll
     for (int c = 0; c < 4; ++c) mine[c * 128] = make_float4(s[4 * c], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3]);
-    __syncthreads();  // the partial scores are written, tile i + 1 converted, its stage read
-    if (i + 1 + STAGES < num_tiles) issue(i + 1 + STAGES, next_slot);
-    next_slot = slot_of(i + 2 + STAGES);
+    named_sync(2, CONSUMERS);
     const float4* other = xbuf + (1 - wg) * 4 * 128 + t;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {  // the same sum in both warpgroups (addition commutes)
+    for (int c = 0; c < 4; ++c) {
       const float4 x = other[c * 128];
       s[4 * c] += x.x;
       s[4 * c + 1] += x.y;
@@ -431,6 +459,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(cons
     fence_registers(o[1]);
     fence_registers(o[2]);
     fence_registers(o[3]);
+    mbar_arrive(smem_addr(tile_empty + (i & 1)));
   }
 
   const float l[2] = {sum_over_quad(l_part[0]), sum_over_quad(l_part[1])};
