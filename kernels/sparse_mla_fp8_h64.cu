@@ -350,6 +350,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(cons
     return;
   }
 
+  // The consumers: the query into fp16 core matrices (a thread stores row r8 of a core matrix, 8 threads one
+  // matrix), then the tiles in turn.
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGISTERS));
   const int g = lane >> 2;                    // heads 16 (warp % 4) + g and + 8
   const int q4 = lane & 3;                    // columns 8 i + 2 q4, + 1 of each 8 of an accumulator
@@ -365,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(cons
       *reinterpret_cast<uint4*>(qs + (hb * CHUNKS + c) * CORE + r8 * 16) = bf16x8_to_half8(v);
     }
   }
-  fence_proxy_async();
+  fence_proxy_async();  // the query, for the scores' wgmma
   named_sync(2, CONSUMERS);
 
   const uint32_t q_addr = smem_addr(qs) + wg * SCORE_STEPS * 2 * CORE;
@@ -375,8 +377,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(cons
   for (int b = 0; b < OUT_BLOCKS; ++b)
 #pragma unroll
     for (int i = 0; i < 32; ++i) o[b][i] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_part[2] = {0.f, 0.f};
+  float m_run[2] = {-INFINITY, -INFINITY};  // heads h0, h0 + 8
+  float l_part[2] = {0.f, 0.f};             // this thread's columns only; summed over the quad at the end
 
   for (int i = 0; i < num_tiles; ++i) {
     const int k0 = start + i * TILE;
@@ -399,10 +401,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(cons
     named_sync(2, CONSUMERS);  // both warpgroups have read the last tile's partial scores
 #pragma unroll
     for (int c = 0; c < 4; ++c) mine[c * 128] = make_float4(s[4 * c], s[4 * c + 1], s[4 * c + 2], s[4 * c + 3]);
-    named_sync(2, CONSUMERS);
+    named_sync(2, CONSUMERS);  // both partials written
     const float4* other = xbuf + (1 - wg) * 4 * 128 + t;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < 4; ++c) {  // the same sum in both warpgroups (addition commutes)
       const float4 x = other[c * 128];
       s[4 * c] += x.x;
       s[4 * c + 1] += x.y;
@@ -459,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(cons
     fence_registers(o[1]);
     fence_registers(o[2]);
     fence_registers(o[3]);
-    mbar_arrive(smem_addr(tile_empty + (i & 1)));
+    mbar_arrive(smem_addr(tile_empty + (i & 1)));  // this thread's products are done with the buffer
   }
 
   const float l[2] = {sum_over_quad(l_part[0]), sum_over_quad(l_part[1])};
