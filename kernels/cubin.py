@@ -4,7 +4,7 @@ Some kernels need what Triton's language does not expose: a shared-memory ring f
 `ldmatrix` / `movmatrix`, operands converted once into the layout two products read. Those live as `.cu`
 files beside their launchers. A `CudaKernel` compiles its file for the GPU it first runs on with nvcc
 (`$CUDA_HOME/bin/nvcc`, else the one on PATH), keeps the cubin under `$HISPARSE_CACHE/cubin` (default
-`~/.cache/hisparse/cubin`) named by a hash of the source, the flags and the compiler, loads it into the
+`~/.cache/hisparse/cubin`) named by a hash of the source (with the local headers it includes), the flags and the compiler, loads it into the
 device's primary context (the one PyTorch uses) and launches on PyTorch's current stream, so a CUDA graph
 being captured records the launch like any other. Where there is no nvcc, no GPU of compute capability 9.0
 or the build fails, `available` says no (once, with the reason logged) and the caller keeps its Triton
@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -87,12 +88,29 @@ def nvcc_flags(arch: str, defines: tuple[tuple[str, int], ...] = ()) -> list[str
     return flags + [f"-D{name}={value}" for name, value in defines]
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_with_headers(source: Path) -> bytes:
+    """`source`'s bytes followed by those of the local headers it includes (`#include "..."`, beside it, and
+    theirs in turn): what a cached cubin was built from, so a changed header builds anew."""
+    seen: list[Path] = []
+    pending = [source]
+    while pending:
+        path = pending.pop(0)
+        if path in seen or not path.is_file():
+            continue
+        seen.append(path)
+        pending += [path.parent / name.decode() for name in _LOCAL_INCLUDE.findall(path.read_bytes())]
+    return b"".join(path.read_bytes() for path in seen)
+
+
 def compile_cubin(source: Path, arch: str, nvcc: str, defines: tuple[tuple[str, int], ...] = ()) -> bytes:
     """The cubin of `source` for `arch` (e.g. "sm_90", or "sm_90a" for its arch-specific features) with the
     macros `defines`, from the cache or built now. Raises on a failed build with nvcc's messages."""
     flags = nvcc_flags(arch, defines)
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
-    text = source.read_bytes()
+    text = source_with_headers(source)
     key = hashlib.sha256(text + " ".join(flags).encode() + version.encode()).hexdigest()[:20]
     cached = _cache_dir() / f"{source.stem}-{arch}-{key}.cubin"
     if cached.is_file():

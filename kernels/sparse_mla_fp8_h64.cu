@@ -32,9 +32,7 @@
 // values; every row starts 16-byte aligned and a page holds a power of two rows (the launcher checks both).
 // Built for sm_90a (wgmma, setmaxnreg).
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
+#include "sparse_mla_common.cuh"
 
 namespace {
 
@@ -78,59 +76,9 @@ static_assert(SMLA64_SHARED_BYTES == Q_BYTES + 2 * KT_BYTES + STAGES * STAGE_BYT
 
 }  // namespace
 
-extern "C" {
-// Mirrored field for field by kernels/sparse_mla_cuda.py (`_Params`), as the 8-head kernel's.
-struct SparseMLAParams {
-  const __nv_bfloat16* q;  // [N, H, DL + DR]
-  const uint8_t* kv;       // one layer's page view [pages, page_size, ROW]
-  const int* slots;        // [N, K]
-  const int* lens;         // [N]
-  void* out;               // [N, H, DL], bf16 or float32
-  float* part;             // [N, splits, H, DL] with more than one split
-  float* lse;              // [N, splits, H]
-  long long q_stride_n, q_stride_h;         // elements
-  long long kv_stride_page, kv_stride_tok;  // bytes
-  long long slots_stride_n;                 // elements
-  long long out_stride_n, out_stride_h;     // elements
-  int num_heads, num_splits, split_len, page_shift;  // pages hold 2^page_shift rows
-  int out_bf16;
-  float scale_log2;
-};
-}
 
 namespace {
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
-  asm volatile(
-      "{\n\t.reg .pred done;\n"
-      "WAIT:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@!done bra WAIT;\n}" ::"r"(bar),
-      "r"(phase)
-      : "memory");
-}
-
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
-}
-
-// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones (bulk copies into
-// a stage it read, wgmma reading a tile it wrote).
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // A shared-memory matrix descriptor, no swizzle: start address, the byte distance between core matrices
 // adjacent along K (leading) and along M or N (stride). So for K-major and MN-major operands alike (checked
@@ -181,40 +129,26 @@ __device__ __forceinline__ void wgmma_output(float (&d)[32], const uint32_t (&a)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }
 
-__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
-  const __half2 h = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
 
 __device__ __forceinline__ uint32_t half2_scaled(uint32_t h, float scale) {
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
   return pack_half2(f.x * scale, f.y * scale);
 }
 
-// Four e4m3 bytes times `scale` -> two fp16 pairs: bytes (0, 1) -> lo, bytes (2, 3) -> hi, the lower byte in
-// the lower half.
+// Four e4m3 bytes times `scale` -> two fp16 pairs (e4m3x4_to_half2x2's order), the products in float32.
 __device__ __forceinline__ void e4m3x4_scaled(uint32_t v, float scale, uint32_t& lo, uint32_t& hi) {
-  asm("{\n\t.reg .b16 a, b;\n\t"
-      "mov.b32 {a, b}, %2;\n\t"
-      "cvt.rn.f16x2.e4m3x2 %0, a;\n\t"
-      "cvt.rn.f16x2.e4m3x2 %1, b;\n}"
-      : "=r"(lo), "=r"(hi)
-      : "r"(v));
+  e4m3x4_to_half2x2(v, lo, hi);
   lo = half2_scaled(lo, scale);
   hi = half2_scaled(hi, scale);
 }
 
 // e4m3x4_scaled with the scale in fp16: the products in fp16.
 __device__ __forceinline__ void e4m3x4_times(uint32_t v, __half2 scale, uint32_t& lo, uint32_t& hi) {
-  asm("{\n\t.reg .b16 a, b;\n\t"
-      "mov.b32 {a, b}, %2;\n\t"
-      "cvt.rn.f16x2.e4m3x2 %0, a;\n\t"
-      "cvt.rn.f16x2.e4m3x2 %1, b;\n}"
-      : "=r"(lo), "=r"(hi)
-      : "r"(v));
-  __half2 l = __hmul2(*reinterpret_cast<__half2*>(&lo), scale), h = __hmul2(*reinterpret_cast<__half2*>(&hi), scale);
-  lo = *reinterpret_cast<uint32_t*>(&l);
-  hi = *reinterpret_cast<uint32_t*>(&h);
+  e4m3x4_to_half2x2(v, lo, hi);
+  const __half2 l = __hmul2(*reinterpret_cast<const __half2*>(&lo), scale);
+  const __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&hi), scale);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
 }
 
 // Whether a positive scale is a normal fp16 number (a subnormal one would lose its precision).

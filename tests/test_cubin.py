@@ -77,6 +77,21 @@ def test_cubin_is_built_once_and_cached(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 @needs_nvcc
+def test_a_changed_local_header_builds_anew(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two sparse MLA kernels share `sparse_mla_common.cuh`: the cache's key covers it."""
+    monkeypatch.setenv("HISPARSE_CACHE", str(tmp_path / "cache"))
+    header = tmp_path / "common.cuh"
+    header.write_text("#define VALUE 1\n")
+    source = tmp_path / "k.cu"
+    source.write_text('#include "common.cuh"\nextern "C" __global__ void k(int* out) { *out = VALUE; }\n')
+    assert cubin.source_with_headers(source) == source.read_bytes() + header.read_bytes()
+    first = cubin.compile_cubin(source, "sm_90", NVCC)
+    header.write_text("#define VALUE 2\n")
+    assert cubin.compile_cubin(source, "sm_90", NVCC) != first
+    assert len(list((tmp_path / "cache" / "cubin").iterdir())) == 2
+
+
+@needs_nvcc
 def test_an_unwritable_cache_still_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")  # the cache directory would have to be created under a file
