@@ -12,8 +12,9 @@ copy bandwidth measured in the same run (device-to-device copy, bytes read plus
 written), for sparse MLA the TFLOP/s of its two products and their share of a
 bf16 dense matmul measured in the same run (the ceiling at 64 heads, where the
 work is the tensor cores'), and the speed-up over the PyTorch twin
-(triton.testing.do_bench, L2 flushed) where the twin fits in memory; for sparse MLA also the same rows gathered alone (`bench/row_gather.cu`, built
-with nvcc where there is one): the ceiling of this access pattern, random rows of 656 or 1,152 bytes; for
+(triton.testing.do_bench, L2 flushed) where the twin fits in memory; for sparse
+MLA also the same rows gathered alone (`bench/row_gather.cu`, built with nvcc
+where there is one): the ceiling of this access pattern, random rows of 656 or 1,152 bytes; for
 the indexer also scoring plus the top-K kernel (`kernels.topk`), and at
 B <= 8 the same with programmatic dependent launch, as the engine's decode graphs of so few rows launch it.
 A few tile configurations are tried at B=64 and the best is used for all B; the

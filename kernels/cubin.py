@@ -6,9 +6,9 @@ files beside their launchers. A `CudaKernel` compiles its file for the GPU it fi
 (`$CUDA_HOME/bin/nvcc`, else the one on PATH), keeps the cubin under `$HISPARSE_CACHE/cubin` (default
 `~/.cache/hisparse/cubin`) named by a hash of the source (with the local headers it includes), the flags and
 the compiler, loads it into the device's primary context (the one PyTorch uses) and launches on PyTorch's
-current stream, so a CUDA graph being captured records the launch like any other. Where there is no nvcc, no GPU of compute capability 9.0
-or the build fails, `available` says no (once, with the reason logged) and the caller keeps its Triton
-kernel.
+current stream, so a CUDA graph being captured records the launch like any other. Where there is no nvcc,
+no GPU of the kernel's compute capability or the build fails, `available` says no (once, with the reason
+logged) and the caller keeps its Triton kernel.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Launchers of the CUDA sparse MLA decode kernels over FP8 rows, GLM's row shape (512 latent values, 64 rope
 values), bf16 queries, with nvcc at hand: `sparse_mla_fp8.cu` for at most 8 heads (one rank of GLM-5.3 at
 TP 8; compute capability 9.0 and up) and `sparse_mla_fp8_h64.cu` for 9 to 64 heads (GLM-5.3's 64 heads on
-one GPU; Hopper's wgmma, so sm_90 only). `kernels.sparse_mla.sparse_mla` takes them for the configurations
-that ask for it (`SparseMLAConfig.cuda`) when `supports` holds, and merges their splits with the Triton
-combine kernel; elsewhere the Triton kernel runs."""
+one GPU; Hopper's wgmma, so sm_90 only; the defaults take it from 17 heads). `kernels.sparse_mla.sparse_mla`
+takes them for the configurations that ask for it (`SparseMLAConfig.cuda`) when `supports` holds, and merges
+their splits with the Triton combine kernel; elsewhere the Triton kernel runs."""
 
 from __future__ import annotations
 
@@ -66,7 +66,11 @@ class WideVariant:
     two converted tiles in fp16 (147 KB), so three raw stages are what fits beside them."""
 
     stages: int = 3
-    threads: int = 384  # two consumer warpgroups and a producer
+
+    @property
+    def threads(self) -> int:
+        """The .cu's THREADS: two consumer warpgroups and a producer."""
+        return 384
 
     @property
     def shared_bytes(self) -> int:
