@@ -93,18 +93,34 @@ _KERNEL = CudaKernel(_SOURCE, "sparse_mla_fp8_h8", DEFAULT.shared_bytes, DEFAULT
 _WIDE_KERNEL = CudaKernel(_WIDE_SOURCE, "sparse_mla_fp8_h64", WIDE.shared_bytes, WIDE.defines, arch_specific=True)
 
 
-def _kernel(num_heads: int) -> CudaKernel:
-    return _KERNEL if num_heads <= MAX_HEADS else _WIDE_KERNEL
+@dataclass(frozen=True)
+class _Form:
+    """What a call of one of the two kernels needs: the kernel and its threads, the rows a split is a whole
+    number of, and the query values a load and output values a store (the alignments `supports` checks)."""
+
+    kernel: CudaKernel
+    threads: int
+    rows_per_step: int
+    query_values: int
+    output_values: int
+
+
+_FORMS = (_Form(_KERNEL, DEFAULT.warps * 32, DEFAULT.rows_per_step, query_values=4, output_values=4),
+          _Form(_WIDE_KERNEL, WIDE.threads, WIDE_TILE, query_values=8, output_values=2))
+
+
+def _form(num_heads: int) -> _Form:
+    return _FORMS[0] if num_heads <= MAX_HEADS else _FORMS[1]
 
 
 def available(device: torch.device, num_heads: int = MAX_HEADS) -> bool:
     """Whether the kernel for `num_heads` is built and loaded for `device` (on first ask; never on a CPU)."""
-    return num_heads <= WIDE_MAX_HEADS and _kernel(num_heads).available(device)
+    return num_heads <= WIDE_MAX_HEADS and _form(num_heads).kernel.available(device)
 
 
 def rows_per_step(num_heads: int) -> int:
     """A split of the kernel for `num_heads` is a whole number of these rows."""
-    return DEFAULT.rows_per_step if num_heads <= MAX_HEADS else WIDE_TILE
+    return _form(num_heads).rows_per_step
 
 
 class _Params(ctypes.Structure):
@@ -129,8 +145,7 @@ def supports(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor, kv_format: st
     at a time (two above 8 heads), a capable GPU."""
     page = kv.shape[1]
     heads = q.shape[1]
-    vector = 4 if heads <= MAX_HEADS else 8  # query values a load
-    written = 4 if heads <= MAX_HEADS else 2  # output values a store
+    vector, written = _form(heads).query_values, _form(heads).output_values
     return (
         kv_format == "fp8" and latent_dim == LATENT_DIM and rope_dim == ROPE_DIM and q.is_cuda
         and q.dtype == torch.bfloat16 and out.dtype in (torch.bfloat16, torch.float32)
@@ -166,5 +181,5 @@ def launch(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, lens: torch.T
         q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), slots.stride(0), out.stride(0), out.stride(1),
         heads, splits, split_len, kv.shape[1].bit_length() - 1, int(out.dtype == torch.bfloat16), scale_log2,
     )
-    threads = DEFAULT.warps * 32 if heads <= MAX_HEADS else WIDE.threads
-    _kernel(heads).launch(q.device, (splits, n, 1), threads, params)
+    form = _form(heads)
+    form.kernel.launch(q.device, (splits, n, 1), form.threads, params)

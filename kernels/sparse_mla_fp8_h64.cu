@@ -74,11 +74,6 @@ static_assert(SMLA64_SHARED_BYTES == Q_BYTES + 2 * KT_BYTES + STAGES * STAGE_BYT
               "barriers (a stage's, two tiles' full and empty)");
 #endif
 
-}  // namespace
-
-
-namespace {
-
 
 // A shared-memory matrix descriptor, no swizzle: start address, the byte distance between core matrices
 // adjacent along K (leading) and along M or N (stride). So for K-major and MN-major operands alike (checked
@@ -90,10 +85,7 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t addr, uint32_t leading, 
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int PENDING>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
-}
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 
 // Keeps the compiler from reading or writing accumulators across a wgmma wait (they are written
 // asynchronously).
@@ -173,16 +165,37 @@ __device__ __forceinline__ float sum_over_quad(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-}  // namespace
-
-
-// The named barriers: 0 is __syncthreads, 1 the producer's 128 threads, 2 the consumers' 256.
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
+
+// The named barriers: 0 is __syncthreads, 1 the producer's 128 threads, 2 the consumers' 256.
 __device__ __forceinline__ void named_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
+
+// One row's latent chunks col, col + 4, ..., col + 60 (scale block i / 4 for the i-th) into its fp16
+// core-matrix rows at dst: each value times its block's scale, the products in fp16 or in float32.
+template <bool FP16_PRODUCTS>
+__device__ __forceinline__ void convert_latent(const uint8_t* raw, uint8_t* dst, const float (&sc)[NB], int col) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const int c = col + 4 * i;
+    const uint2 v = *reinterpret_cast<const uint2*>(raw + 8 * c);
+    uint4 h;
+    if constexpr (FP16_PRODUCTS) {
+      const __half2 scale = __float2half2_rn(sc[i / 4]);
+      e4m3x4_times(v.x, scale, h.x, h.y);
+      e4m3x4_times(v.y, scale, h.z, h.w);
+    } else {
+      e4m3x4_scaled(v.x, sc[i / 4], h.x, h.y);
+      e4m3x4_scaled(v.y, sc[i / 4], h.z, h.w);
+    }
+    *reinterpret_cast<uint4*>(dst + c * CORE) = h;
+  }
+}
+
+}  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(const SparseMLAParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -248,26 +261,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(cons
       // Each value times its block's scale in fp16 (one multiply a pair) when the scales are normal fp16
       // numbers, as with real latents; else in float32.
       if (fp16_normal(scales.x) && fp16_normal(scales.y) && fp16_normal(scales.z) && fp16_normal(scales.w)) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const int c = conv_col + 4 * i;  // scale block i / 4
-          const uint2 v = *reinterpret_cast<const uint2*>(raw + 8 * c);
-          const __half2 hs = __float2half2_rn(sc[i / 4]);
-          uint4 h;
-          e4m3x4_times(v.x, hs, h.x, h.y);
-          e4m3x4_times(v.y, hs, h.z, h.w);
-          *reinterpret_cast<uint4*>(dst + c * CORE) = h;
-        }
+        convert_latent<true>(raw, dst, sc, conv_col);
       } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const int c = conv_col + 4 * i;
-          const uint2 v = *reinterpret_cast<const uint2*>(raw + 8 * c);
-          uint4 h;
-          e4m3x4_scaled(v.x, sc[i / 4], h.x, h.y);
-          e4m3x4_scaled(v.y, sc[i / 4], h.z, h.w);
-          *reinterpret_cast<uint4*>(dst + c * CORE) = h;
-        }
+        convert_latent<false>(raw, dst, sc, conv_col);
       }
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
@@ -329,7 +325,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(cons
                    st > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait_all();
     fence_registers(s);
     float4* mine = xbuf + wg * 4 * 128 + t;
     named_sync(2, CONSUMERS);  // both warpgroups have read the last tile's partial scores
@@ -390,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) sparse_mla_fp8_h64(cons
     wgmma_commit();
     // Waited here rather than after the next tile's scores are issued: with a product in flight across the
     // loop's back edge ptxas serialises every wgmma of the kernel.
-    wgmma_wait<0>();
+    wgmma_wait_all();
     fence_registers(o[0]);
     fence_registers(o[1]);
     fence_registers(o[2]);
