@@ -18,7 +18,8 @@ where there is one): the ceiling of this access pattern, random rows of 656 or 1
 the indexer also scoring plus the top-K kernel (`kernels.topk`), and at
 B <= 8 the same with programmatic dependent launch, as the engine's decode graphs of so few rows launch it.
 A few tile configurations are tried at B=64 and the best is used for all B; the
-defaults (`SparseMLAConfig.for_problem`, chosen by the number of rows) are timed beside it.
+defaults (`SparseMLAConfig.for_problem`, `IndexerConfig.for_problem`: what the engine
+launches) are timed beside it, and scoring plus top-K is timed with the defaults.
 Prints a table last and writes it, with the full log, under $OUT (or bench/out).
 
     python bench/kernels_attention.py
@@ -65,9 +66,9 @@ MLA_CONFIGS = {  # (rows, heads): tried at B=64; the best is then also tried wit
     ("bf16", 64): [_C(block_h=16, block_k=64, num_warps=8), _C(block_h=64, block_k=32, num_warps=8),
                    _C(block_h=32, block_k=64, num_warps=8)],
 }
-INDEXER_CONFIGS = [IndexerConfig(block_t=64), IndexerConfig(block_t=128, num_stages=3),
-                   IndexerConfig(block_t=128, num_warps=8, num_stages=3), IndexerConfig(block_t=128, num_stages=4),
-                   IndexerConfig(block_t=256, num_warps=8, num_stages=3), IndexerConfig(block_t=64, num_warps=4, num_stages=4)]
+INDEXER_CONFIGS = [IndexerConfig(block_t=64), IndexerConfig(block_t=64, num_stages=5),
+                   IndexerConfig(block_t=128, num_stages=3), IndexerConfig(block_t=128, num_stages=5),
+                   IndexerConfig(block_t=128, num_warps=8, num_stages=5), IndexerConfig(block_t=64, num_stages=6)]
 ROTATE_BYTES = 256 << 20  # inputs rotated per timed graph so repeated calls do not hit L2 (60 MB)
 
 log = run_log("kernels_attention")
@@ -251,11 +252,12 @@ def run_indexer_format(kv_format: str, hbm: float, rows_out: list) -> bool:
                 if best is None:
                     return False
             ms = bench_graph(calls(best))
-            topk_ms = bench_graph(calls(best, indexer_topk), iters=5)
+            default_ms = bench_graph(calls(None))  # the engine's tiles (`IndexerConfig.for_problem`)
+            topk_ms = bench_graph(calls(None, indexer_topk), iters=5)
             topk_pdl_ms = None
             if b <= PDL_MAX_ROWS:  # decode graphs of this few rows launch with PDL in the engine
                 with pdl.launches(True):
-                    topk_pdl_ms = bench_graph(calls(best, indexer_topk), iters=5)
+                    topk_pdl_ms = bench_graph(calls(None, indexer_topk), iters=5)
             twin = "-"
             if b * ctx <= (4 << 20):
                 twin_ms = bench(lambda: indexer_scores_ref(q, w, view, tables[0], r2r, ctx_lens, ctx_lens, **kw),
@@ -264,7 +266,9 @@ def run_indexer_format(kv_format: str, hbm: float, rows_out: list) -> bool:
             gbs = nbytes / ms / 1e6
             rows_out.append(dict(kernel="indexer", fmt=kv_format, heads=HI, B=b, ctx=f"{ctx // 1024}K",
                                  MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin,
-                                 cfg=_cfg_name(best), topk_us=topk_ms * 1e3,
+                                 cfg=_cfg_name(best), topk_us=topk_ms * 1e3, default_us=default_ms * 1e3,
+                                 default_hbm=nbytes / default_ms / 1e6 / hbm,
+                                 default_cfg=_cfg_name(IndexerConfig.for_problem(kv_format, tokens)),
                                  topk_pdl_us=None if topk_pdl_ms is None else topk_pdl_ms * 1e3))
             log(fmt_row(_cells(rows_out[-1])))
     return True
