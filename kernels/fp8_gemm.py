@@ -137,13 +137,25 @@ class FP8GemmConfig:
             block_m, swap = 32, True
         else:
             block_m, swap = 64, False
-        # 64-row weight tiles, split K to about one program per SM: the H200 sweep's best at M = 1-64 for every
-        # GLM-5.3 shape (bench/RESULTS.md, 2026-11-30: 10-20 % below 128-row tiles at two programs per SM)
-        # (up to 16 rows, the 16-token tiles: five stages, 0.2-0.4 us less than four at every engine shape in the
-        # M = 5, 8 and 16 sweeps of 2026-12-02 and 0.3-0.7 us at four of six shapes at M = 4 on 2026-12-01)
-        block_n = 64
-        return cls(block_m=block_m, block_n=block_n, split_k=cls.split_for(m, n, k, block_m, block_n, num_sms),
-                   swap_ab=swap, num_warps=4, num_stages=5 if m <= 16 else 4)
+        # 64-row weight tiles (32 where the tokens are on the MMA's M side and that gives more programs), K split
+        # so that the programs fill at most one program per SM: a launch is a single wave whose programs each
+        # stream a long K range, and a tile's float32 partials are summed as few times as the SMs allow. The
+        # H200 sweep of 2026-12-04 (bench/RESULTS.md) at M = 8-64 over the engine's four attention shapes:
+        # 0.3-2.0 us a GEMM under the earlier split to about one program per SM, rounded up (o_proj at M = 64:
+        # 10.3 against 12.3 us); six stages up to 16 rows, five above (2026-11-30 to 12-02 sweeps: 64-row tiles
+        # 10-20 % below 128-row ones).
+        shapes = [(64, cls.split_for(m, n, k, block_m, 64, num_sms))]
+        if not swap:
+            shapes.append((32, cls.split_for(m, n, k, block_m, 32, num_sms)))
+        tiles_m = triton.cdiv(m, block_m)
+
+        def programs(shape: tuple[int, int]) -> tuple[bool, int, int]:  # one wave, most programs, fewest splits
+            total = tiles_m * triton.cdiv(n, shape[0]) * shape[1]
+            return total <= num_sms, total if total <= num_sms else -total, -shape[1]
+
+        block_n, split = max(shapes, key=programs)
+        return cls(block_m=block_m, block_n=block_n, split_k=split, swap_ab=swap, num_warps=4,
+                   num_stages=6 if m <= 16 else 5)
 
     @staticmethod
     def max_split(m: int, k: int) -> int:
@@ -153,10 +165,10 @@ class FP8GemmConfig:
 
     @classmethod
     def split_for(cls, m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int = _DEFAULT_SMS) -> int:
-        """K ranges so that tiles x ranges reach about one program per SM (no empty ranges)."""
+        """K ranges so that tiles x ranges reach at most one program per SM (no empty ranges)."""
         kb = triton.cdiv(k, FP8_BLOCK)
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        split = max(1, min(triton.cdiv(num_sms, tiles), cls.max_split(m, k)))
+        split = max(1, min(num_sms // tiles, cls.max_split(m, k)))
         return triton.cdiv(kb, triton.cdiv(kb, split))
 
 

@@ -311,9 +311,13 @@ def test_for_problem_configs(m):
         if cfg.gemv:  # one token: whole-K programs of a few rows, one per 8 rows (72 for the narrowest)
             assert m == 1 and cfg.split_k == 1 and -(-n // cfg.block_n) >= 72, (n, k, cfg)
             continue
-        programs = -(-m // cfg.block_m) * -(-n // cfg.block_n) * cfg.split_k
-        if (m <= 16 and k >= 2048) or m > 128:
-            assert programs >= 100, (n, k, cfg)  # decode and prefill fill the GPU
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+        programs = tiles * cfg.split_k
+        if m > 128:
+            assert programs >= 100, (n, k, cfg)  # prefill fills the GPU
+        else:  # decode: one wave, at most a program an SM unless the tiles alone are more, and at least half
+            assert programs <= max(132, tiles), (n, k, cfg)
+            assert 2 * programs > min(132, tiles * FP8GemmConfig.max_split(m, k)), (n, k, cfg)
         if cfg.split_k > 1 and m <= 128:
             assert cfg.split_k * m * n * 8 <= n * k, (n, k, cfg)  # partials at most half the weight bytes
 
