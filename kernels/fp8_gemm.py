@@ -91,6 +91,7 @@ def _soft_cvt() -> bool:
 
 
 GEMV_MAX_WEIGHT = 64 << 20  # one token's GEMV up to this many weight bytes; beyond, the swapped split-K tiles
+LONG_RANGE_BLOCKS = 24  # K blocks a split-K range streams for its program to be worth a second one on an SM
 # (H200, 2026-12-02: the drafting head [19360, 6144] 35.4-38.0 against 46.9 us, eh_proj [6144, 12288] 27.0 against
 # 31.7: at most 60 % of the HBM copy for the GEMV's unrolled loads, 73-79 % for the tiles' five stages)
 
@@ -137,23 +138,19 @@ class FP8GemmConfig:
             block_m, swap = 32, True
         else:
             block_m, swap = 64, False
-        # 64-row weight tiles (32 where the tokens are on the MMA's M side and that gives more programs), K split
-        # so that the programs fill at most one program per SM: a launch is a single wave whose programs each
-        # stream a long K range, and a tile's float32 partials are summed as few times as the SMs allow. The
-        # H200 sweep of 2026-12-04 (bench/RESULTS.md) at M = 8-64 over the engine's four attention shapes:
-        # 0.3-2.0 us a GEMM under the earlier split to about one program per SM, rounded up (o_proj at M = 64:
-        # 10.3 against 12.3 us); six stages up to 16 rows, five above (2026-11-30 to 12-02 sweeps: 64-row tiles
-        # 10-20 % below 128-row ones).
-        shapes = [(64, cls.split_for(m, n, k, block_m, 64, num_sms))]
-        if not swap:
-            shapes.append((32, cls.split_for(m, n, k, block_m, 32, num_sms)))
+        # 64-row weight tiles (32 where the tokens are not on the MMA's M side and that gives more programs, or
+        # as many with fewer K ranges, in one wave), K split by `split_for`. The H200 sweep of 2026-12-04 (bench/RESULTS.md) at M = 2-64 over
+        # the engine's attention shapes: 0.3-2.0 us a GEMM under the earlier split to about one program per SM,
+        # rounded up (o_proj at M = 64: 10.3 against 12.3 us); six stages up to 16 rows, five above (2026-11-30
+        # to 12-02 sweeps: 64-row tiles 10-20 % below 128-row ones).
         tiles_m = triton.cdiv(m, block_m)
-
-        def programs(shape: tuple[int, int]) -> tuple[bool, int, int]:  # one wave, most programs, fewest splits
-            total = tiles_m * triton.cdiv(n, shape[0]) * shape[1]
-            return total <= num_sms, total if total <= num_sms else -total, -shape[1]
-
-        block_n, split = max(shapes, key=programs)
+        block_n, split = 64, cls.split_for(m, n, k, block_m, 64, num_sms)
+        if not swap:
+            split32 = cls.split_for(m, n, k, block_m, 32, num_sms)
+            programs32 = tiles_m * triton.cdiv(n, 32) * split32
+            programs64 = tiles_m * triton.cdiv(n, 64) * split
+            if programs32 <= num_sms and (programs32, -split32) > (programs64, -split):
+                block_n, split = 32, split32  # more programs in one wave, or as many with fewer K ranges
         return cls(block_m=block_m, block_n=block_n, split_k=split, swap_ab=swap, num_warps=4,
                    num_stages=6 if m <= 16 else 5)
 
@@ -165,10 +162,17 @@ class FP8GemmConfig:
 
     @classmethod
     def split_for(cls, m: int, n: int, k: int, block_m: int, block_n: int, num_sms: int = _DEFAULT_SMS) -> int:
-        """K ranges so that tiles x ranges reach at most one program per SM (no empty ranges)."""
+        """K ranges (none empty): enough that tiles x ranges cover every SM where each range still streams at
+        least `LONG_RANGE_BLOCKS` K blocks, else at most one program per SM. A short range's fixed costs (its
+        pipeline's first loads, its partials and their sum) outweigh the SMs a single wave leaves idle; a long
+        one keeps a second program's loads in flight instead (H200, 2026-12-04: o_proj [6144, 2048] at M = 8
+        9.0 us on 96 programs against 9.5 on 192; eh_proj [6144, 12288] 27.1 on 192 against 33.3 on 96)."""
         kb = triton.cdiv(k, FP8_BLOCK)
         tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        split = max(1, min(num_sms // tiles, cls.max_split(m, k)))
+        cap = cls.max_split(m, k)
+        split = max(1, min(triton.cdiv(num_sms, tiles), cap))
+        if kb < LONG_RANGE_BLOCKS * split:
+            split = max(1, min(num_sms // tiles, cap))
         return triton.cdiv(kb, triton.cdiv(kb, split))
 
 

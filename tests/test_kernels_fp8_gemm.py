@@ -29,6 +29,7 @@ from kernels.fp8_gemm import (  # noqa: E402
     FP8_BLOCK,
     FP8GemmConfig,
     GEMV_MAX_WEIGHT,
+    LONG_RANGE_BLOCKS,
     dequantize_weight_blocks,
     fp8_block_linear,
     fp8_block_linear_pair,
@@ -315,8 +316,9 @@ def test_for_problem_configs(m):
         programs = tiles * cfg.split_k
         if m > 128:
             assert programs >= 100, (n, k, cfg)  # prefill fills the GPU
-        else:  # decode: one wave, at most a program an SM unless the tiles alone are more, and at least half
-            assert programs <= max(132, tiles), (n, k, cfg)
+        else:  # decode: at most a program an SM (unless the tiles alone are more, or each range is long), and
+            # at least half of them
+            assert programs <= max(132, tiles) or kb // cfg.split_k >= LONG_RANGE_BLOCKS, (n, k, cfg)
             assert 2 * programs > min(132, tiles * FP8GemmConfig.max_split(m, k)), (n, k, cfg)
         if cfg.split_k > 1 and m <= 128:
             assert cfg.split_k * m * n * 8 <= n * k, (n, k, cfg)  # partials at most half the weight bytes
