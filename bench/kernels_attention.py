@@ -268,7 +268,7 @@ def run_indexer_format(kv_format: str, hbm: float, rows_out: list) -> bool:
                                  MB=nbytes / 1e6, us=ms * 1e3, gbs=gbs, hbm=gbs / hbm, twin=twin,
                                  cfg=_cfg_name(best), topk_us=topk_ms * 1e3, default_us=default_ms * 1e3,
                                  default_hbm=nbytes / default_ms / 1e6 / hbm,
-                                 default_cfg=_cfg_name(IndexerConfig.for_problem(kv_format, tokens)),
+                                 default_cfg=_cfg_name(IndexerConfig.for_problem(kv_format)),
                                  topk_pdl_us=None if topk_pdl_ms is None else topk_pdl_ms * 1e3))
             log(fmt_row(_cells(rows_out[-1])))
     return True

@@ -91,9 +91,9 @@ def _soft_cvt() -> bool:
 
 
 GEMV_MAX_WEIGHT = 64 << 20  # one token's GEMV up to this many weight bytes; beyond, the swapped split-K tiles
-LONG_RANGE_BLOCKS = 24  # K blocks a split-K range streams for its program to be worth a second one on an SM
 # (H200, 2026-12-02: the drafting head [19360, 6144] 35.4-38.0 against 46.9 us, eh_proj [6144, 12288] 27.0 against
 # 31.7: at most 60 % of the HBM copy for the GEMV's unrolled loads, 73-79 % for the tiles' five stages)
+LONG_RANGE_BLOCKS = 24  # K blocks a split-K range streams for its program to be worth a second one on an SM
 
 
 @dataclass(frozen=True)
@@ -139,10 +139,10 @@ class FP8GemmConfig:
         else:
             block_m, swap = 64, False
         # 64-row weight tiles (32 where the tokens are not on the MMA's M side and that gives more programs, or
-        # as many with fewer K ranges, in one wave), K split by `split_for`. The H200 sweep of 2026-12-04 (bench/RESULTS.md) at M = 2-64 over
-        # the engine's attention shapes: 0.3-2.0 us a GEMM under the earlier split to about one program per SM,
-        # rounded up (o_proj at M = 64: 10.3 against 12.3 us); six stages up to 16 rows, five above (2026-11-30
-        # to 12-02 sweeps: 64-row tiles 10-20 % below 128-row ones).
+        # as many with fewer K ranges, in one wave), K split by `split_for`. The H200 sweep of 2026-12-04
+        # (bench/RESULTS.md) at M = 2-64 over the engine's attention shapes: 0.3-2.0 us a GEMM under the earlier
+        # split to about one program per SM, rounded up (o_proj at M = 64: 10.3 against 12.3 us); six stages up
+        # to 16 rows, five above (2026-11-30 to 12-02 sweeps: 64-row tiles 10-20 % below 128-row ones).
         tiles_m = triton.cdiv(m, block_m)
         block_n, split = 64, cls.split_for(m, n, k, block_m, 64, num_sms)
         if not swap:

@@ -98,14 +98,14 @@ class IndexerConfig:
     num_warps: int = 4
     num_stages: int = 2
     prefetch: bool = False  # load tile i+1 into registers while tile i computes
-    programs_per_sm: int = 8  # programs an SM runs at once (this config's occupancy, measured)
+    programs_per_sm: int = 8  # programs a launch puts on an SM (FP8 defaults: their occupancy, measured)
     max_tiles: int = 32
 
     @classmethod
-    def for_problem(cls, kv_format: str, tokens_per_page: int) -> "IndexerConfig":
+    def for_problem(cls, kv_format: str) -> "IndexerConfig":
         """Best measured tiles on an H200 (bench/RESULTS.md) for this row format. FP8 keys: 64-token tiles five
         stages deep, eight programs an SM; at 128K, B = 32 that is 89 % of the HBM copy against 83 % for
-        128-token tiles three deep."""
+        128-token tiles three deep (64 divides every page's tokens: they are whole KV pages)."""
         if kv_format == "fp8":
             return cls(block_t=64, num_warps=4, num_stages=5)
         return cls(block_t=64, num_warps=4, num_stages=2, programs_per_sm=4, max_tiles=8)
@@ -359,7 +359,7 @@ def _scores(
     in a CUDA graph each small PyTorch op is a launch of its own)."""
     if not isinstance(kv, IndexerKeys):
         raise ValueError(f"kv must be IndexerKeys (values and scales views), got {type(kv).__name__}")
-    cfg = config or IndexerConfig.for_problem(kv_format, kv.tokens_per_page)
+    cfg = config or IndexerConfig.for_problem(kv_format)
     _check(q, weights, kv, page_table, row_to_req, ctx_lens, limits, kv_format, cfg.block_t)
     n, hi, di = q.shape
     max_ctx = page_table.shape[1] * kv.tokens_per_page if max_ctx is None else max_ctx
