@@ -77,13 +77,15 @@ class Indexer(nn.Module):
         return rotate(x, cos, sin, self.cfg.qk_rope_head_dim, self.cfg.rope_interleave)
 
     def _head_weights(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 [T, index_n_heads]: x times the float32 `weights_proj`. A decode batch's few rows on a GPU
-        take the router's float32 product kernel (`kernels.router.router_logits`, summed in one launch), where
-        cuBLAS needed x converted to float32 first and split K over two more launches."""
+        """float32 [T, index_n_heads]: x times the float32 `weights_proj`, times index_n_heads**-0.5. A decode
+        batch's few rows on a GPU take the router's float32 product kernel (`kernels.router.router_logits`,
+        summed and scaled in one launch), where cuBLAS needed x converted to float32 first, split K over two
+        more launches and a fourth for the scale."""
         w = self.weights_proj.weight
+        scale = self.cfg.index_n_heads**-0.5
         if x.is_cuda and x.shape[0] <= HEAD_WEIGHTS_FMA_TOKENS and w.dtype == torch.float32:
-            return router_logits(x, w, fma_tokens=HEAD_WEIGHTS_FMA_TOKENS)[0]
-        return self.weights_proj(x.to(w.dtype)).float()
+            return router_logits(x, w, fma_tokens=HEAD_WEIGHTS_FMA_TOKENS, out_scale=scale)[0]
+        return self.weights_proj(x.to(w.dtype)).float() * scale
 
     def forward(self, x: torch.Tensor, q_proj: torch.Tensor, k_proj: torch.Tensor, ctx: StepContext,
                 full_index: int) -> Selection:
@@ -93,7 +95,7 @@ class Indexer(nn.Module):
         batch, cos, sin, layout, ops = ctx.batch, ctx.cos, ctx.sin, ctx.layout, ctx.ops
         q = self._rope(q_proj.view(-1, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
         k = self._rope(self.k_norm(k_proj), cos, sin)
-        weights = self._head_weights(x) * cfg.index_n_heads**-0.5
+        weights = self._head_weights(x)
 
         ops.write_indexer_rows(ctx.kv_pool, full_index, batch.indexer_write_slots, k)
         view = layout.indexer_layer_view(ctx.kv_pool, full_index)

@@ -30,7 +30,7 @@ _SCORE_ELEMENTS = 1 << 28
 
 class TopK(NamedTuple):
     positions: torch.Tensor  # [T, K'] int64, K' <= K; entries >= counts are padding
-    counts: torch.Tensor  # [T] int64 valid entries per row
+    counts: torch.Tensor  # [T] valid entries per row: int64, or the ops' index_dtype (what `sparse_mla` reads)
 
 
 class AttentionOps(Protocol):

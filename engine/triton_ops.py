@@ -16,7 +16,7 @@ import torch
 from engine.attention_ops import TopK, TorchAttentionOps
 from engine.forward_batch import ForwardBatch
 from kernels.fp8_pack import LatentPrep, pack_indexer_rows_into, pack_mla_rows_into
-from kernels.indexer import IndexerKeys, indexer_scores
+from kernels.indexer import IndexerKeys, indexer_scores, visible_lengths
 from kernels.sparse_mla import sparse_mla
 from kernels.topk import topk_positions
 
@@ -34,7 +34,8 @@ class _IndexerRows(NamedTuple):
     row_to_req: torch.Tensor  # [T] int32
     row_ctx: torch.Tensor  # [T] int32: the row's request's context
     visible: torch.Tensor  # [T] int32: positions the row sees, its position + 1
-    counts: torch.Tensor  # [T] int64: positions it selects, min(its context, position + 1, width)
+    scored: torch.Tensor  # [T] int32: positions it scores, min(its context, position + 1) within the step's context
+    counts: torch.Tensor  # [T] int32: positions it selects, min(its context, position + 1, width)
     past_context: torch.Tensor  # [T, width] bool: columns past the row's context (a shorter request's padding)
 
     @classmethod
@@ -42,9 +43,10 @@ class _IndexerRows(NamedTuple):
         row_ctx = batch.context_lens[batch.req_of_row]
         visible = batch.positions + 1
         columns = torch.arange(width, device=row_ctx.device)[None, :]
-        return cls(batch.indexer_page_table.to(torch.int32), batch.req_of_row.to(torch.int32),
-                   row_ctx.to(torch.int32), visible.to(torch.int32),
-                   torch.clamp(torch.minimum(row_ctx, visible), max=width), columns >= row_ctx[:, None])
+        row_ctx32, visible32 = row_ctx.to(torch.int32), visible.to(torch.int32)
+        return cls(batch.indexer_page_table.to(torch.int32), batch.req_of_row.to(torch.int32), row_ctx32, visible32,
+                   visible_lengths(row_ctx32, visible32, batch.max_context),
+                   torch.clamp(torch.minimum(row_ctx32, visible32), max=width), columns >= row_ctx[:, None])
 
 
 class TritonAttentionOps(TorchAttentionOps):
@@ -87,6 +89,7 @@ class TritonAttentionOps(TorchAttentionOps):
             scores = indexer_scores(
                 q[part], weights[part], view, limits.page_table, limits.row_to_req[part], limits.row_ctx[part],
                 limits.visible[part], kv_format=self.layout.kv_format, scale=scale, topk=topk, max_ctx=max_ctx,
+                visible=limits.scored[part],
             )
             topk_positions(scores, width, out=positions[part])
         # Past its own context, a request shorter than the width gets invisible positions from the top-K; the

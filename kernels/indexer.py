@@ -118,7 +118,10 @@ def indexer_value_bytes(kv_format: str, dim: int) -> int:
     return dim * (4 if kv_format == "float32" else 2)
 
 
-def _visible(ctx_lens: torch.Tensor, limits: torch.Tensor, max_ctx: int) -> torch.Tensor:
+def visible_lengths(ctx_lens: torch.Tensor, limits: torch.Tensor, max_ctx: int) -> torch.Tensor:
+    """int32 [N]: the positions each row scores, min(its request's context, its limit) within [0, max_ctx]. Two
+    small launches on a GPU: a caller that scores the same rows at several layers makes them once and passes
+    them to `indexer_scores`."""
     return torch.clamp(torch.minimum(ctx_lens, limits), 0, max_ctx).to(torch.int32)
 
 
@@ -146,13 +149,13 @@ def indexer_scores_ref(
     q: torch.Tensor, weights: torch.Tensor, kv: IndexerKeys, page_table: torch.Tensor,
     row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
     kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain PyTorch scores [N, max(max_ctx, topk)] float32; `config` is ignored."""
     tokens = kv.tokens_per_page
     max_ctx = page_table.shape[1] * tokens if max_ctx is None else max_ctx
     width = max(max_ctx, topk)
-    visible = _visible(ctx_lens, limits, max_ctx)
+    visible = visible_lengths(ctx_lens, limits, max_ctx) if visible is None else visible
     pos = torch.arange(width, device=q.device)
     valid = pos[None, :] < visible[:, None].long()  # [N, W]
     page = torch.clamp(pos // tokens, max=page_table.shape[1] - 1)
@@ -183,7 +186,7 @@ def indexer_topk_ref(
     scores = indexer_scores_ref(q, weights, kv, page_table, row_to_req, ctx_lens, limits,
                                 kv_format=kv_format, scale=scale, topk=topk, max_ctx=max_ctx)
     max_ctx = page_table.shape[1] * kv.tokens_per_page if max_ctx is None else max_ctx
-    return _select(scores, _visible(ctx_lens, limits, max_ctx), topk, kernel=False)
+    return _select(scores, visible_lengths(ctx_lens, limits, max_ctx), topk, kernel=False)
 
 
 # --- Triton kernel -------------------------------------------------------------------
@@ -341,19 +344,20 @@ def indexer_scores(
     q: torch.Tensor, weights: torch.Tensor, kv: IndexerKeys, page_table: torch.Tensor,
     row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
     kv_format: str, scale: float, topk: int, max_ctx: int | None = None, config: IndexerConfig | None = None,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton scores [N, max(max_ctx, topk)] float32 (-inf where not visible), optionally into `out`; rows of
-    a new tensor start 16-byte aligned (its row stride a multiple of four)."""
+    a new tensor start 16-byte aligned (its row stride a multiple of four). `visible`: the rows'
+    `visible_lengths(ctx_lens, limits, max_ctx)` when the caller already holds them."""
     return _scores(q, weights, kv, page_table, row_to_req, ctx_lens, limits, kv_format=kv_format, scale=scale,
-                   topk=topk, max_ctx=max_ctx, config=config, out=out)[0]
+                   topk=topk, max_ctx=max_ctx, config=config, out=out, visible=visible)[0]
 
 
 def _scores(
     q: torch.Tensor, weights: torch.Tensor, kv: IndexerKeys, page_table: torch.Tensor,
     row_to_req: torch.Tensor, ctx_lens: torch.Tensor, limits: torch.Tensor, *,
     kv_format: str, scale: float, topk: int, max_ctx: int | None, config: IndexerConfig | None,
-    out: torch.Tensor | None,
+    out: torch.Tensor | None, visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`indexer_scores` and each row's visible length, which `indexer_topk` reuses for its counts (made once:
     in a CUDA graph each small PyTorch op is a launch of its own)."""
@@ -370,7 +374,10 @@ def _scores(
         raise ValueError(f"out must be float32 [N, {width}] with unit last stride on q's device")
     else:
         scores = out
-    visible = _visible(ctx_lens, limits, max_ctx)
+    if visible is None:
+        visible = visible_lengths(ctx_lens, limits, max_ctx)
+    elif visible.shape != (n,) or visible.dtype != torch.int32 or visible.device != q.device:
+        raise ValueError(f"visible must be int32 [{n}] on q's device")
     if n == 0:
         return scores, visible
     tiles = _tiles(cfg, n, width, q.device)

@@ -82,12 +82,12 @@ def _bf16_dot(x, w, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _router_logits_fma_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, arrivals_ptr, num_tokens, num_experts, hidden,
-                              k_per_split, stride_xt, stride_we, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                              k_per_split, stride_xt, stride_we, out_scale, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                               BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """logits[t, e-tile] for a token or two: each program (expert tile, token, K range) sums its range's IEEE
     float32 products in registers (a 16-row dot tile would be mostly padding) and stores them as part[s, t, e];
     the tile's last range to arrive adds the ranges' partials (one fixed-shape sum, so every rank adds alike),
-    writes the logits and re-arms its counter. The selection then reads one float an expert, not one a
+    writes the logits times `out_scale` and re-arms its counter. The selection then reads one float an expert, not one a
     range (48 at GLM-5.3). With PDL the weight tile is requested before the wait for the kernel that writes x
     (kernels/pdl.py)."""
     pdl.begin(PDL)
@@ -115,7 +115,7 @@ def _router_logits_fma_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, arrivals_ptr, 
         tile = tl.load(part_ptr + (ranges[:, None] * num_tokens + t).to(tl.int64) * num_experts + offs_e[None, :],
                        mask=(ranges < tl.num_programs(2))[:, None] & emask[None, :], other=0.0,
                        cache_modifier=".cg")
-        tl.store(logits_ptr + t.to(tl.int64) * num_experts + offs_e, tl.sum(tile, 0), mask=emask)
+        tl.store(logits_ptr + t.to(tl.int64) * num_experts + offs_e, tl.sum(tile, 0) * out_scale, mask=emask)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -197,12 +197,15 @@ def partial_tokens(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> int:
     return ROUTER_BF16_TOKENS if bf16 else ROUTER_PARTIAL_TOKENS
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTER_FMA_TOKENS) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTER_FMA_TOKENS,
+                  out_scale: float = 1.0) -> torch.Tensor:
     """x [T, H] and a weight [E, H] (the router's, in the model dtype, or the indexer's float32 head weights) ->
     partial logits [S, T, E] float32 whose sum over S is x.float() @ weight.float().T. Up to `fma_tokens` tokens
     (one program per 128-column tile and token) come back summed: S = 1; bf16 x and w of up to
     `ROUTER_BF16_TOKENS` tokens take bf16 dots over `_BF16_RANGES` K ranges; others tf32x3 dots, S chosen so
-    about two programs run per SM."""
+    about two programs run per SM. `out_scale` multiplies the summed logits (the float32 product a separate
+    multiply would round to, without its launch: the indexer's head weights carry n_heads**-0.5); partial
+    sums are returned as they are, so it needs the summed form."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
     if (weight.shape[1] != hidden or weight.dtype not in _WEIGHT_DTYPES or x.stride(1) != 1
@@ -210,6 +213,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTE
         raise ValueError("router_logits needs x [T, H] and a float32, bf16 or fp16 weight [E, H], both with unit "
                          "last stride")
     fma = t <= fma_tokens
+    if out_scale != 1.0 and not fma:
+        raise ValueError(f"out_scale scales summed logits: up to fma_tokens = {fma_tokens} tokens, got {t}")
     bf16 = not fma and x.dtype == weight.dtype == torch.bfloat16 and t <= ROUTER_BF16_TOKENS
     blocks = triton.cdiv(hidden, _ROUTER_K)
     if fma:  # every weight tile loaded at once, one per program: a single memory round trip
@@ -227,7 +232,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, fma_tokens: int = ROUTE
         logits = torch.empty(1, t, num_experts, dtype=torch.float32, device=x.device)
         _router_logits_fma_kernel[(tiles, t, splits)](
             x, weight, parts, logits, _arrival_counters(x.device, t * tiles), t, num_experts, hidden, k_per_split,
-            x.stride(0), weight.stride(0), BLOCK_E=_ROUTER_TILE, BLOCK_K=_ROUTER_K,
+            x.stride(0), weight.stride(0), out_scale, BLOCK_E=_ROUTER_TILE, BLOCK_K=_ROUTER_K,
             BLOCK_S=triton.next_power_of_2(splits), num_warps=4, **pdl.launch_options(x.device))
         return logits
     if t:

@@ -79,6 +79,21 @@ def test_router_logits_sum_to_the_float32_product(tokens: int, experts: int, hid
         torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_scaled_logits_equal_the_separate_multiply(tokens: int) -> None:
+    """`out_scale` (the indexer's head weights times n_heads**-0.5) gives the float32 product that multiplying the
+    summed logits afterwards gives, bit for bit; partial sums refuse it."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 700, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(32, 700, generator=gen) * 0.1
+    scale = 32**-0.5
+    got = router_logits(x, weight, fma_tokens=8, out_scale=scale)
+    assert got.shape == (1, tokens, 32)
+    assert torch.equal(got, router_logits(x, weight, fma_tokens=8) * scale)
+    with pytest.raises(ValueError):
+        router_logits(x, weight, fma_tokens=0, out_scale=scale)
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 8, 40])
 def test_bf16_weight_logits_are_the_exact_products(tokens: int) -> None:
     """A bf16 router weight (the model's dtype, as the reference holds it) with bf16 activations: every form
