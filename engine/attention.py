@@ -27,7 +27,7 @@ from engine.linear import WeightFormat, linear_pair, make_linear
 from engine.model_config import ModelConfig
 from engine.tp.tensor_parallel import TensorParallel
 from kernels.fp8_gemm import FP8_BLOCK, Fp8Activations
-from kernels.fp8_pack import LatentPrep
+from kernels.fp8_pack import KeyPrep, LatentPrep
 from kernels.mla_output import mla_output
 from kernels.mla_query import mla_query
 from kernels.router import router_logits
@@ -94,10 +94,12 @@ class Indexer(nn.Module):
         cfg = self.cfg
         batch, cos, sin, layout, ops = ctx.batch, ctx.cos, ctx.sin, ctx.layout, ctx.ops
         q = self._rope(q_proj.view(-1, cfg.index_n_heads, cfg.index_head_dim), cos, sin)
-        k = self._rope(self.k_norm(k_proj), cos, sin)
         weights = self._head_weights(x)
 
-        ops.write_indexer_rows(ctx.kv_pool, full_index, batch.indexer_write_slots, k)
+        # the key's norm and rotation are done by the row write (one launch with FP8 rows on a GPU)
+        norm = self.k_norm
+        prep = KeyPrep(norm.weight, norm.bias, norm.eps, cos, sin, cfg.qk_rope_head_dim, cfg.rope_interleave)
+        ops.write_indexer_rows(ctx.kv_pool, full_index, batch.indexer_write_slots, k_proj, prep)
         view = layout.indexer_layer_view(ctx.kv_pool, full_index)
 
         topk = cfg.index_topk

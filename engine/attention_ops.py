@@ -14,11 +14,12 @@ from __future__ import annotations
 from typing import NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
 from engine.layers import rms_norm, rotate
-from kernels.fp8_pack import LatentPrep
+from kernels.fp8_pack import KeyPrep, LatentPrep
 from kernels.indexer import IndexerKeys
 from kernels.topk import topk_positions_ref
 
@@ -44,8 +45,9 @@ class AttentionOps(Protocol):
         ...
 
     def write_indexer_rows(self, kv_pool: torch.Tensor, full_index: int, slots: torch.Tensor,
-                           keys: torch.Tensor) -> None:
-        """Stores indexer keys [N, Di] as full layer `full_index`'s rows at `slots` (distinct)."""
+                           keys: torch.Tensor, prep: KeyPrep | None = None) -> None:
+        """Stores indexer keys [N, Di] as full layer `full_index`'s rows at `slots` (distinct). With `prep` they
+        are wk's raw outputs, normalised and rotated first (in the same launch where the kernels allow)."""
         ...
 
     def indexer_topk(
@@ -95,7 +97,10 @@ class TorchAttentionOps:
         view[slots // page, slots % page] = self.layout.encode_mla(latent, rope)
 
     def write_indexer_rows(self, kv_pool: torch.Tensor, full_index: int, slots: torch.Tensor,
-                           keys: torch.Tensor) -> None:
+                           keys: torch.Tensor, prep: KeyPrep | None = None) -> None:
+        if prep is not None:
+            keys = F.layer_norm(keys, keys.shape[-1:], prep.norm_weight, prep.norm_bias, prep.eps)
+            keys = rotate(keys, prep.cos, prep.sin, prep.rope_dim, prep.interleaved)
         view = self.layout.indexer_layer_view(kv_pool, full_index)
         per_page = view.tokens_per_page
         view.store(slots // per_page, slots % per_page, self.layout.encode_indexer(keys))

@@ -15,7 +15,7 @@ import torch
 
 from engine.attention_ops import TopK, TorchAttentionOps
 from engine.forward_batch import ForwardBatch
-from kernels.fp8_pack import LatentPrep, pack_indexer_rows_into, pack_mla_rows_into
+from kernels.fp8_pack import KeyPrep, LatentPrep, key_prep_fits, pack_indexer_rows_into, pack_mla_rows_into
 from kernels.indexer import IndexerKeys, indexer_scores, visible_lengths
 from kernels.sparse_mla import sparse_mla
 from kernels.topk import topk_positions
@@ -63,10 +63,15 @@ class TritonAttentionOps(TorchAttentionOps):
         pack_mla_rows_into(latent, rope, kv_pool, slots.contiguous(), self.layout.mla_placement(layer), prep)
 
     def write_indexer_rows(self, kv_pool: torch.Tensor, full_index: int, slots: torch.Tensor,
-                           keys: torch.Tensor) -> None:
-        if self.layout.kv_format != "fp8":
-            return super().write_indexer_rows(kv_pool, full_index, slots, keys)
-        pack_indexer_rows_into(keys.contiguous(), kv_pool, slots.contiguous(), self.layout.indexer_placement(full_index))
+                           keys: torch.Tensor, prep: KeyPrep | None = None) -> None:
+        """FP8 keys are normalised, rotated (with `prep`), quantised and stored by one launch (three with the
+        norm and the rotation apart); others as the twin."""
+        fused = prep is None or (prep.norm_weight.dtype == keys.dtype and key_prep_fits(keys.shape[1], prep.rope_dim))
+        if self.layout.kv_format != "fp8" or not fused:
+            return super().write_indexer_rows(kv_pool, full_index, slots, keys, prep)
+        if prep is None or keys.stride(1) != 1:
+            keys = keys.contiguous()
+        pack_indexer_rows_into(keys, kv_pool, slots.contiguous(), self.layout.indexer_placement(full_index), prep)
 
     def indexer_topk(
         self, q: torch.Tensor, weights: torch.Tensor, view: IndexerKeys, batch: ForwardBatch, topk: int,

@@ -158,6 +158,70 @@ def _pack_kernel(
             _store_bf16(rope_at, r, rope, r < DR)
 
 
+@triton.jit
+def _layer_norm_at(x_row, w_ptr, b_ptr, cols, mean, rstd, mask, DT: tl.constexpr):
+    """LayerNorm of the row's columns `cols` given its mean and rstd, as float32 rounded to DT (the norm's output
+    dtype, what the rotation and the quantisation read)."""
+    x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return _round_to((x - mean) * rstd * w + b, DT)
+
+
+@triton.jit
+def _store_e4m3(at, v, scale, mask):
+    """v / scale (IEEE division, clamped to e4m3's range) as e4m3 bytes at `at`."""
+    q = tl.math.div_rn(v, tl.zeros(v.shape, tl.float32) + scale)
+    tl.store(at, _e4m3_bits(tl.minimum(tl.maximum(q, -448.0), 448.0)).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _pack_key_kernel(
+    x_ptr, pool_ptr, slots_ptr, w_ptr, b_ptr, cos_ptr, sin_ptr,
+    x_stride, table_stride, page_bytes, value_offset, value_stride, scale_offset, scale_stride, eps,
+    TOKENS: tl.constexpr, D: tl.constexpr, R: tl.constexpr, REST_P: tl.constexpr, INTERLEAVED: tl.constexpr,
+    DT: tl.constexpr, PDL: tl.constexpr,
+):
+    """One indexer key from wk's raw output: LayerNorm (float32 mean and variance, rounded to DT), the rotary
+    embedding of its first R values (kernels.rope's products and order, rounded to DT), then the FP8 values
+    and the scale stored as `_pack_kernel` stores a one-block key."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    page = pool_ptr + (slot // TOKENS) * page_bytes
+    values = page + value_offset + (slot % TOKENS) * value_stride
+    x_row = x_ptr + n * x_stride
+    x = tl.load(x_row + tl.arange(0, D)).to(tl.float32)
+    mean = tl.sum(x, 0) / D
+    rstd = tl.math.rsqrt(tl.sum((x - mean) * (x - mean), 0) / D + eps)
+
+    i = tl.arange(0, R // 2)
+    pair = i < R // 2
+    if INTERLEAVED:
+        first, second = 2 * i, 2 * i + 1
+    else:
+        first, second = i, i + R // 2
+    a = _layer_norm_at(x_row, w_ptr, b_ptr, first, mean, rstd, pair, DT)
+    b = _layer_norm_at(x_row, w_ptr, b_ptr, second, mean, rstd, pair, DT)
+    c = tl.load(cos_ptr + n * table_stride + i).to(tl.float32)
+    s = tl.load(sin_ptr + n * table_stride + i).to(tl.float32)
+    lo = _round_to(a * c - b * s, DT)
+    hi = _round_to(b * c + a * s, DT)
+    r = R + tl.arange(0, REST_P)
+    rest_mask = r < D
+    rest = _layer_norm_at(x_row, w_ptr, b_ptr, r, mean, rstd, rest_mask, DT)
+
+    amax = tl.maximum(tl.maximum(tl.max(tl.abs(lo), 0), tl.max(tl.abs(hi), 0)), tl.max(tl.abs(rest), 0))
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+    _store_e4m3(values + i, lo, scale, pair)
+    _store_e4m3(values + R // 2 + i, hi, scale, pair)
+    _store_e4m3(values + r, rest, scale, rest_mask)
+    four = tl.arange(0, 4)
+    scale_bytes = (scale.to(tl.uint32, bitcast=True) >> (8 * four).to(tl.uint32)) & 0xFF
+    tl.store(page + scale_offset + (slot % TOKENS) * scale_stride + four, scale_bytes.to(tl.uint8))
+
+
 def _check(values: list[tuple[str, torch.Tensor]], pool: torch.Tensor, slots: torch.Tensor) -> None:
     n = slots.shape[0] if slots.dim() == 1 else -1
     if n < 0 or slots.dtype not in (torch.int32, torch.int64) or slots.device != pool.device:
@@ -188,6 +252,20 @@ class LatentPrep(NamedTuple):
     eps: float
     cos: torch.Tensor
     sin: torch.Tensor
+    interleaved: bool
+
+
+class KeyPrep(NamedTuple):
+    """What turns the indexer's key projection into its cached key: the LayerNorm (weight and bias [D], eps),
+    then the rotary embedding of its first `rope_dim` values (tables cos / sin [N, rope_dim/2], pair order),
+    applied by the packing launch."""
+
+    norm_weight: torch.Tensor
+    norm_bias: torch.Tensor
+    eps: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rope_dim: int
     interleaved: bool
 
 
@@ -250,11 +328,40 @@ def pack_mla_rows_into(latent: torch.Tensor, rope: torch.Tensor, pool: torch.Ten
     _launch(latent, rope, pool, slots, place, fp8_rows.num_scale_blocks(latent.shape[1]), prep)
 
 
+def key_prep_fits(dim: int, rope_dim: int) -> bool:
+    """Whether the packing launch normalises and rotates keys of `dim` values with `rope_dim` rotated: both
+    halves of the rotated part and the key itself a power of two wide."""
+    half = rope_dim // 2
+    return dim & (dim - 1) == 0 and rope_dim % 2 == 0 and 0 < rope_dim <= dim and half & (half - 1) == 0
+
+
 def pack_indexer_rows_into(keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
-                           place: KeyPlacement) -> None:
-    """[N, D] indexer keys -> FP8 values and scales at `slots` of one full layer of `pool`."""
+                           place: KeyPlacement, prep: KeyPrep | None = None) -> None:
+    """[N, D] indexer keys -> FP8 values and scales at `slots` of one full layer of `pool`. With `prep` the keys
+    are wk's raw outputs (rows may be strided), normalised and rotated here first (in their dtype's roundings),
+    so the LayerNorm and the rotary embedding cost no launch of their own."""
     _check_keys(keys, pool, slots, place)
-    _launch(keys, None, pool, slots, place, 1)
+    if prep is None:
+        _launch(keys, None, pool, slots, place, 1)
+        return
+    n, d = keys.shape
+    r = prep.rope_dim
+    if (not key_prep_fits(d, r) or prep.norm_weight.shape != (d,) or prep.norm_bias.shape != (d,)
+            or prep.norm_weight.stride(0) != 1 or prep.norm_bias.stride(0) != 1
+            or prep.cos.shape != (n, r // 2) or prep.cos.stride(1) != 1 or prep.sin.shape != prep.cos.shape
+            or prep.sin.stride() != prep.cos.stride()):
+        raise ValueError("prep needs a power-of-two key width, a norm weight and bias [D] and rotary tables "
+                         "[N, rope_dim/2] (a power of two) with contiguous rows")
+    if n == 0:
+        return
+    tokens, value_offset, value_stride, scale_offset, scale_stride = place
+    _pack_key_kernel[(n,)](
+        keys, pool, slots, prep.norm_weight, prep.norm_bias, prep.cos, prep.sin,
+        keys.stride(0), prep.cos.stride(0), pool.shape[1], value_offset, value_stride, scale_offset, scale_stride,
+        prep.eps, TOKENS=tokens, D=d, R=r, REST_P=triton.next_power_of_2(max(d - r, 1)),
+        INTERLEAVED=prep.interleaved, DT=_DT.get(keys.dtype, tl.float32), num_warps=4,
+        **pdl.launch_options(keys.device)
+    )
 
 
 # --- PyTorch twins -------------------------------------------------------------------

@@ -7,15 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import triton_ops
 from engine.attention_ops import TorchAttentionOps
 from engine.forward_batch import ForwardBatch
 from engine.kv_layout import KVLayout
+from engine.layers import rotate
 from engine.model_config import ModelConfig
 from engine.tiny import TINY_CONFIG
 from engine.triton_ops import TritonAttentionOps
 from kernels import fp8_rows
+from kernels.fp8_pack import KeyPrep
 from kernels.indexer import IndexerKeys
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -127,6 +130,35 @@ def test_triton_row_writes_store_the_same_bytes_as_torch_ops(kv_format: str) -> 
         ops.write_indexer_rows(target, 1, key_slots, keys)
     assert torch.equal(got, expected)
     assert not torch.equal(got, pool)
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_indexer_row_writes_normalise_and_rotate_raw_keys(kv_format: str) -> None:
+    """With a KeyPrep both ops store LayerNorm-then-rotated keys (the Indexer's former two steps before the
+    write); the FP8 packing launch does them itself, to within one e4m3 step of the PyTorch path."""
+    cfg = ModelConfig.from_dict(dict(TINY_CONFIG, vocab_size=448))
+    layout = KVLayout.for_model(cfg, kv_format)
+    gen = torch.Generator().manual_seed(6)
+    n, dim, rope_dim = 19, cfg.index_head_dim, cfg.qk_rope_head_dim
+    pool = torch.zeros((5, layout.page_bytes), dtype=torch.uint8)
+    per_page = layout.indexer_tokens_per_page
+    slots = torch.randperm(5 * per_page, generator=gen)[:n]
+    raw = torch.randn(n, dim + 8, generator=gen)[:, 4 : 4 + dim] * 2 + 0.3
+    angles = torch.rand(n, rope_dim // 2, generator=gen) * 6
+    prep = KeyPrep(torch.rand(dim, generator=gen) + 0.5, torch.randn(dim, generator=gen) * 0.1, 1e-6,
+                   angles.cos(), angles.sin(), rope_dim, True)
+    want_keys = rotate(F.layer_norm(raw, (dim,), prep.norm_weight, prep.norm_bias, 1e-6), prep.cos, prep.sin,
+                       rope_dim, True)
+    view = lambda p: layout.indexer_layer_view(p, 1)  # noqa: E731
+    decoded = {}
+    for name, ops in (("torch", TorchAttentionOps(layout)), ("triton", TritonAttentionOps(layout))):
+        got = pool.clone()
+        ops.write_indexer_rows(got, 1, slots, raw, prep)
+        decoded[name] = layout.decode_indexer(view(got).rows(slots // per_page, slots % per_page), torch.float32)
+    reference = layout.decode_indexer(layout.encode_indexer(want_keys), torch.float32)
+    assert torch.equal(decoded["torch"], reference)
+    step = reference.abs().amax(dim=1, keepdim=True) / 448 * 32 if kv_format == "fp8" else 1e-6
+    assert ((decoded["triton"] - reference).abs() <= step).all()
 
 
 @pytest.mark.parametrize("kv_format", ["fp8", "bf16"])

@@ -292,6 +292,47 @@ def test_pack_indexer_rows_matches_twin(dim):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("dtype, interleaved", [(torch.bfloat16, True), (torch.float32, False)])
+def test_pack_indexer_rows_normalises_and_rotates(dtype, interleaved):
+    """With a KeyPrep the packing launch takes wk's raw (strided) outputs and does the key's LayerNorm and the
+    rotation of its first values itself: equal to packing the model's LayerNorm then `rope_ref` within one e4m3
+    step (the mean and variance are summed in another order, so a value on a rounding edge may move, and the
+    scale with the largest), nearly every code alike, the scale within one part in 2**20."""
+    from kernels.rope import rope_ref
+
+    gen = torch.Generator().manual_seed(11)
+    n, d, r, tokens = 9, 128, 64, 2 * PAGE
+    raw = (torch.randn(n, d + 24, generator=gen) * 3 + 0.5).to(dtype)[:, 8 : 8 + d]
+    weight = (torch.rand(d, generator=gen) + 0.5).to(dtype)
+    bias = (torch.randn(d, generator=gen) * 0.1).to(dtype)
+    angles = torch.rand(n, r // 2, generator=gen) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    key_bytes = fp8_rows.indexer_key_bytes(d)
+    pool = torch.zeros((3, tokens * key_bytes), dtype=torch.uint8)
+    place = fp8_pack.KeyPlacement(tokens, 0, d, tokens * d, 4)
+    slots = torch.randperm(3 * tokens, generator=gen)[:n].int()
+    got, want = pool.clone(), pool.clone()
+    fp8_pack.pack_indexer_rows_into(raw, got, slots, place, fp8_pack.KeyPrep(weight, bias, 1e-6, cos, sin, r,
+                                                                             interleaved))
+    normed = torch.nn.functional.layer_norm(raw.float(), (d,), weight.float(), bias.float(), 1e-6).to(dtype)
+    keys = torch.cat([rope_ref(normed[:, :r], cos, sin, interleaved), normed[:, r:]], dim=1)
+    fp8_pack.pack_indexer_rows_into_reference(keys.contiguous(), want, slots, place)
+    pages, at = (slots // tokens).long(), (slots % tokens).long()
+    values = lambda p: p.view(3, tokens * key_bytes)[:, : tokens * d].view(3, tokens, d)[pages, at]  # noqa: E731
+    scales = lambda p: p[:, tokens * d :].contiguous().view(torch.float32)[pages, at]  # noqa: E731
+    got_scale, want_scale = scales(got), scales(want)
+    assert ((got_scale - want_scale).abs() <= want_scale * 2**-20).all()
+    got_codes, want_codes = values(got), values(want)
+    got_vals = got_codes.view(torch.float8_e4m3fn).float() * got_scale[:, None]
+    want_vals = want_codes.view(torch.float8_e4m3fn).float() * want_scale[:, None]
+    step = want_scale[:, None] * 32  # one e4m3 step at the key's largest values
+    assert ((got_vals - want_vals).abs() <= step).all()
+    assert (got_codes == want_codes).float().mean() > 0.97
+    untouched = torch.ones(3, tokens, dtype=torch.bool)
+    untouched[pages, at] = False
+    assert (got.view(3, tokens * key_bytes)[:, : tokens * d].view(3, tokens, d)[untouched] == 0).all()
+
+
 def test_pack_indexer_rows_refuses_placements_that_do_not_fit():
     keys = torch.randn(2, 32)
     pool = torch.zeros((2, 64 * 36), dtype=torch.uint8)
