@@ -24,6 +24,10 @@ index dim): value_offset = f * T * (D + 4), value_stride = D, scale_offset =
 value_offset + T * D, scale_stride = 4: all of the layer's values, then all of
 its scales, so every key's values start 16-byte aligned.
 
+Both writes can take their projections' raw outputs and do what sits between the projection and the cache
+in the same launch: the latent's RMSNorm and the key's rotation (`LatentPrep`), the indexer key's LayerNorm
+and the rotation of its first values (`KeyPrep`).
+
 The result equals the `fp8_rows` twins byte for byte: scales and quotients use
 IEEE division (`div_rn`), and fp32 -> e4m3fn / bf16 rounding is done in integer
 arithmetic (round to nearest even, as torch's `.to(torch.float8_e4m3fn)` and
@@ -110,6 +114,17 @@ def _store_bf16(base, index, v, mask):
 
 
 @triton.jit
+def _program_token(slots_ptr, pool_ptr, page_bytes, TOKENS: tl.constexpr, PDL: tl.constexpr):
+    """(row n of the program, its slot's token within its page, the page's first byte), once the launch before
+    has finished (PDL)."""
+    pdl.begin(PDL)
+    pdl.wait(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    return n, slot % TOKENS, pool_ptr + (slot // TOKENS) * page_bytes
+
+
+@triton.jit
 def _pack_kernel(
     x_ptr, rope_ptr, pool_ptr, slots_ptr, norm_ptr, cos_ptr, sin_ptr,
     x_stride, rope_stride, page_bytes, row_offset, token_stride, scale_offset, scale_stride, eps, table_stride,
@@ -117,12 +132,8 @@ def _pack_kernel(
     NB_P: tl.constexpr, BS_P: tl.constexpr, DR: tl.constexpr, DR_P: tl.constexpr,
     NORM: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVED: tl.constexpr, DT: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.begin(PDL)
-    pdl.wait(PDL)
-    n = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    page = pool_ptr + (slot // TOKENS) * page_bytes
-    row = page + row_offset + (slot % TOKENS) * token_stride
+    n, token, page = _program_token(slots_ptr, pool_ptr, page_bytes, TOKENS, PDL)
+    row = page + row_offset + token * token_stride
 
     blk = tl.arange(0, NB_P)
     col = tl.arange(0, BS_P)
@@ -140,7 +151,7 @@ def _pack_kernel(
 
     four = tl.arange(0, 4)
     scale_bytes = (scale.to(tl.uint32, bitcast=True)[:, None] >> (8 * four[None, :]).to(tl.uint32)) & 0xFF
-    scales_at = page + scale_offset + (slot % TOKENS) * scale_stride
+    scales_at = page + scale_offset + token * scale_stride
     tl.store(scales_at + 4 * blk[:, None] + four[None, :], scale_bytes.to(tl.uint8), mask=blk[:, None] < NB)
 
     if DR > 0:
@@ -185,12 +196,8 @@ def _pack_key_kernel(
     """One indexer key from wk's raw output: LayerNorm (float32 mean and variance, rounded to DT), the rotary
     embedding of its first R values (kernels.rope's products and order, rounded to DT), then the FP8 values
     and the scale stored as `_pack_kernel` stores a one-block key."""
-    pdl.begin(PDL)
-    pdl.wait(PDL)
-    n = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    page = pool_ptr + (slot // TOKENS) * page_bytes
-    values = page + value_offset + (slot % TOKENS) * value_stride
+    n, token, page = _program_token(slots_ptr, pool_ptr, page_bytes, TOKENS, PDL)
+    values = page + value_offset + token * value_stride
     x_row = x_ptr + n * x_stride
     x = tl.load(x_row + tl.arange(0, D)).to(tl.float32)
     mean = tl.sum(x, 0) / D
@@ -219,7 +226,7 @@ def _pack_key_kernel(
     _store_e4m3(values + r, rest, scale, rest_mask)
     four = tl.arange(0, 4)
     scale_bytes = (scale.to(tl.uint32, bitcast=True) >> (8 * four).to(tl.uint32)) & 0xFF
-    tl.store(page + scale_offset + (slot % TOKENS) * scale_stride + four, scale_bytes.to(tl.uint8))
+    tl.store(page + scale_offset + token * scale_stride + four, scale_bytes.to(tl.uint8))
 
 
 def _check(values: list[tuple[str, torch.Tensor]], pool: torch.Tensor, slots: torch.Tensor) -> None:
