@@ -44,9 +44,10 @@ class _IndexerRows(NamedTuple):
         visible = batch.positions + 1
         columns = torch.arange(width, device=row_ctx.device)[None, :]
         row_ctx32, visible32 = row_ctx.to(torch.int32), visible.to(torch.int32)
+        scored = visible_lengths(row_ctx32, visible32, batch.max_context)
         return cls(batch.indexer_page_table.to(torch.int32), batch.req_of_row.to(torch.int32), row_ctx32, visible32,
-                   visible_lengths(row_ctx32, visible32, batch.max_context),
-                   torch.clamp(torch.minimum(row_ctx32, visible32), max=width), columns >= row_ctx[:, None])
+                   scored, torch.clamp(scored, max=width),  # width <= max_context: the same as clamping the minimum
+                   columns >= row_ctx[:, None])
 
 
 class TritonAttentionOps(TorchAttentionOps):
@@ -69,7 +70,7 @@ class TritonAttentionOps(TorchAttentionOps):
         fused = prep is None or (prep.norm_weight.dtype == keys.dtype and key_prep_fits(keys.shape[1], prep.rope_dim))
         if self.layout.kv_format != "fp8" or not fused:
             return super().write_indexer_rows(kv_pool, full_index, slots, keys, prep)
-        if prep is None or keys.stride(1) != 1:
+        if keys.stride(1) != 1:  # the packing launches read rows at any stride, values contiguous
             keys = keys.contiguous()
         pack_indexer_rows_into(keys, kv_pool, slots.contiguous(), self.layout.indexer_placement(full_index), prep)
 

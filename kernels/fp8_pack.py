@@ -114,6 +114,19 @@ def _store_bf16(base, index, v, mask):
 
 
 @triton.jit
+def _e4m3_scale(amax):
+    """A block's scale from its largest magnitude: amax / 448 (IEEE division), 1 for an all-zero block."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+
+
+@triton.jit
+def _store_e4m3(at, v, scale, mask):
+    """v / scale (IEEE division, scale broadcast against v, clamped to e4m3's range) as e4m3 bytes at `at`."""
+    q = tl.math.div_rn(v, tl.zeros(v.shape, tl.float32) + scale)
+    tl.store(at, _e4m3_bits(tl.minimum(tl.maximum(q, -448.0), 448.0)).to(tl.uint8), mask=mask)
+
+
+@triton.jit
 def _program_token(slots_ptr, pool_ptr, page_bytes, TOKENS: tl.constexpr, PDL: tl.constexpr):
     """(row n of the program, its slot's token within its page, the page's first byte), once the launch before
     has finished (PDL)."""
@@ -143,11 +156,8 @@ def _pack_kernel(
         rstd = tl.math.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / D + eps)
         w = tl.load(norm_ptr + blk[:, None] * BS + col[None, :], mask=mask, other=0.0).to(tl.float32)
         x = _round_to(_round_to(x * rstd, DT) * w, DT)
-    amax = tl.max(tl.abs(x), 1)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
-    q = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
-    tl.store(row + blk[:, None] * BS + col[None, :], _e4m3_bits(q).to(tl.uint8), mask=mask)
+    scale = _e4m3_scale(tl.max(tl.abs(x), 1))
+    _store_e4m3(row + blk[:, None] * BS + col[None, :], x, scale[:, None], mask)
 
     four = tl.arange(0, 4)
     scale_bytes = (scale.to(tl.uint32, bitcast=True)[:, None] >> (8 * four[None, :]).to(tl.uint32)) & 0xFF
@@ -177,13 +187,6 @@ def _layer_norm_at(x_row, w_ptr, b_ptr, cols, mean, rstd, mask, DT: tl.constexpr
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     return _round_to((x - mean) * rstd * w + b, DT)
-
-
-@triton.jit
-def _store_e4m3(at, v, scale, mask):
-    """v / scale (IEEE division, clamped to e4m3's range) as e4m3 bytes at `at`."""
-    q = tl.math.div_rn(v, tl.zeros(v.shape, tl.float32) + scale)
-    tl.store(at, _e4m3_bits(tl.minimum(tl.maximum(q, -448.0), 448.0)).to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -219,8 +222,7 @@ def _pack_key_kernel(
     rest_mask = r < D
     rest = _layer_norm_at(x_row, w_ptr, b_ptr, r, mean, rstd, rest_mask, DT)
 
-    amax = tl.maximum(tl.maximum(tl.max(tl.abs(lo), 0), tl.max(tl.abs(hi), 0)), tl.max(tl.abs(rest), 0))
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+    scale = _e4m3_scale(tl.maximum(tl.maximum(tl.max(tl.abs(lo), 0), tl.max(tl.abs(hi), 0)), tl.max(tl.abs(rest), 0)))
     _store_e4m3(values + i, lo, scale, pair)
     _store_e4m3(values + R // 2 + i, hi, scale, pair)
     _store_e4m3(values + r, rest, scale, rest_mask)
