@@ -27,12 +27,13 @@ float32 in slot order (deterministic), then written in x.dtype.
 Launches (`fused_moe`):
 1. `moe_align`: token slots s = t*k + j grouped by expert, each expert's run
    padded to a multiple of BLOCK_M with the sentinel T*k (one Triton launch for
-   T*k <= 256, else a count launch and a scatter launch; stable: slots ascend
+   T*k <= 1,024, else a count launch and a scatter launch; stable: slots ascend
    within an expert).
 2. gate/up: one program per (block of BLOCK_M sorted slots, BLOCK_N columns of
    I, K range); it reads the block's expert, gathers the token rows, multiplies
    by the gate and up tiles of that expert and writes silu(gate) * up
-   [max_padded, I]. At a few tokens the touched experts' tiles are too few to
+   [T*k, I], a row per slot (so the intermediate's quantisation reads T*k rows,
+   not the padded blocks). At a few tokens the touched experts' tiles are too few to
    keep the GPU's SMs streaming weights, so `split_k` cuts H into ranges: each
    range stores its float32 partials (per slot), and the tile's last range to
    arrive (an atomic counter per tile, as in `kernels.fp8_gemm`) adds them in
@@ -206,10 +207,10 @@ def fused_moe_ref(
 
 
 @triton.jit
-def _block_rows(sorted_ptr, b, num_slots, BLOCK_M: tl.constexpr):
-    rows = b * BLOCK_M + tl.arange(0, BLOCK_M)
-    slot = tl.load(sorted_ptr + rows)
-    return rows, slot, slot < num_slots
+def _block_slots(sorted_ptr, b, num_slots, BLOCK_M: tl.constexpr):
+    """The slots of sorted block b and which of them are real (padding holds the sentinel num_slots)."""
+    slot = tl.load(sorted_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    return slot, slot < num_slots
 
 
 @triton.jit
@@ -234,14 +235,17 @@ def _mma(a, w, acc, a_s, w_s, FP8: tl.constexpr, IEEE: tl.constexpr, SWAP_AB: tl
 
 
 @triton.jit
-def _finish_gate_up(acc_g, acc_u, rows, cols, cmask, h_ptr, stride_hm, SOFT_CVT: tl.constexpr, SWAP_AB: tl.constexpr):
-    """silu(gate) * up of one tile into h, in h's dtype (x's)."""
+def _finish_gate_up(acc_g, acc_u, slot, valid, cols, cmask, h_ptr, stride_hm, SOFT_CVT: tl.constexpr,
+                    SWAP_AB: tl.constexpr):
+    """silu(gate) * up of one tile into h's rows of its slots, in h's dtype (x's)."""
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    out_rows = rows.to(tl.int64) * stride_hm
+    out_rows = slot.to(tl.int64) * stride_hm
     if SWAP_AB:
-        tl.store(h_ptr + out_rows[None, :] + cols[:, None], _cast_out(act, h_ptr, SOFT_CVT), mask=cmask[:, None])
+        tl.store(h_ptr + out_rows[None, :] + cols[:, None], _cast_out(act, h_ptr, SOFT_CVT),
+                 mask=cmask[:, None] & valid[None, :])
     else:
-        tl.store(h_ptr + out_rows[:, None] + cols[None, :], _cast_out(act, h_ptr, SOFT_CVT), mask=cmask[None, :])
+        tl.store(h_ptr + out_rows[:, None] + cols[None, :], _cast_out(act, h_ptr, SOFT_CVT),
+                 mask=valid[:, None] & cmask[None, :])
 
 
 @triton.jit(do_not_specialize=["num_slots", "kb_per_split", "splits"])
@@ -253,7 +257,7 @@ def _gate_up_kernel(
     SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """h[r, n] = silu(x[tok(r)] . gate_e[n]) * (x[tok(r)] . up_e[n]) for the rows r of one block of expert e
+    """h[s, n] = silu(x[tok(s)] . gate_e[n]) * (x[tok(s)] . up_e[n]) for the slots s of one block of expert e
     (with SPLIT, over one range of H; the tile's last range finishes it)."""
     pdl.begin(PDL)
     pdl.wait(PDL)
@@ -265,7 +269,7 @@ def _gate_up_kernel(
     e = tl.load(eob_ptr + b)
     if e < 0:
         return
-    rows, slot, valid = _block_rows(sorted_ptr, b, num_slots, BLOCK_M)
+    slot, valid = _block_slots(sorted_ptr, b, num_slots, BLOCK_M)
     tok = (slot // top_k).to(tl.int64)
     cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < inter
@@ -300,7 +304,7 @@ def _gate_up_kernel(
         acc_g = _mma(a, wg, acc_g, a_s, gs, FP8, IEEE, SWAP_AB)
         acc_u = _mma(a, wu, acc_u, a_s, us, FP8, IEEE, SWAP_AB)
     if not SPLIT:
-        _finish_gate_up(acc_g, acc_u, rows, cols, cmask, h_ptr, stride_hm, SOFT_CVT, SWAP_AB)
+        _finish_gate_up(acc_g, acc_u, slot, valid, cols, cmask, h_ptr, stride_hm, SOFT_CVT, SWAP_AB)
     else:
         # Partials are kept per slot (T*k rows, not the padded blocks): gate columns, then up columns.
         if SWAP_AB:
@@ -323,7 +327,7 @@ def _gate_up_kernel(
                 src = part_ptr + s * stride_ps + tile
                 acc_g += tl.load(src, mask=pmask, other=0.0, cache_modifier=".cg")
                 acc_u += tl.load(src + inter, mask=pmask, other=0.0, cache_modifier=".cg")
-            _finish_gate_up(acc_g, acc_u, rows, cols, cmask, h_ptr, stride_hm, SOFT_CVT, SWAP_AB)
+            _finish_gate_up(acc_g, acc_u, slot, valid, cols, cmask, h_ptr, stride_hm, SOFT_CVT, SWAP_AB)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
@@ -336,7 +340,7 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_TILES: tl.constexpr, TILES: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """y[slot(r), n] = topk_weight(slot(r)) * (h[r] . down_e[n]) for the rows r of one block of expert e, over
+    """y[s, n] = topk_weight(s) * (h[s] . down_e[n]) for the slots s of one block of expert e, over
     TILES consecutive tiles of BLOCK_N columns. The tiles' K steps run as one loop, so the next tile's weights
     are in flight while this one finishes: I is only a few K tiles (GLM-5.3's rank: two), and a program per
     tile spent most of its time waiting for its first loads."""
@@ -349,12 +353,12 @@ def _down_kernel(
     e = tl.load(eob_ptr + b)
     if e < 0:
         return
-    rows, slot, valid = _block_rows(sorted_ptr, b, num_slots, BLOCK_M)
+    slot, valid = _block_slots(sorted_ptr, b, num_slots, BLOCK_M)
     slot = tl.where(valid, slot, 0)
     rw = tl.load(tw_ptr + (slot // top_k) * stride_twt + (slot % top_k) * stride_twj, mask=valid, other=0.0)
     out_rows = slot.to(tl.int64) * stride_ym
     kk = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + kk[None, :]
+    a_ptrs = h_ptr + slot.to(tl.int64)[:, None] * stride_hm + kk[None, :]
     w_base = w_ptr + e.to(tl.int64) * stride_we
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -370,7 +374,7 @@ def _down_kernel(
         w = tl.load(w_base + cols.to(tl.int64)[:, None] * stride_wn + (k0 + kk)[None, :],
                     mask=cmask[:, None] & kmask[None, :], other=0.0)
         if FP8:  # the intermediate was quantised once per row and 128 columns between the launches
-            a_s = tl.load(hs_ptr + rows.to(tl.int64) * stride_hsm + kt, mask=valid, other=0.0)
+            a_s = tl.load(hs_ptr + slot.to(tl.int64) * stride_hsm + kt, mask=valid, other=0.0)
             ws = tl.load(ws_ptr + e * stride_wse + (cols // 128) * stride_wsn + kt * stride_wsk, mask=cmask,
                          other=0.0)
         else:
@@ -497,7 +501,7 @@ def fused_moe(
         fused_moe_gemv(ops, w13, w2, topk_weights, topk_ids, res, cfg)
         return res
     sorted_ids, eob, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
-    max_padded, max_blocks = sorted_ids.numel(), eob.numel()
+    max_blocks = eob.numel()
     if max_blocks > _MAX_GRID_Y:
         raise ValueError(f"T*k = {t * k} slots need {max_blocks} blocks of {cfg.block_m}, over the grid limit "
                          f"{_MAX_GRID_Y}: use a larger block_m or split the batch")
@@ -505,7 +509,7 @@ def fused_moe(
     kb = triton.cdiv(h, cfg.block_k)
     kb_per_split = triton.cdiv(kb, cfg.split_k)
     splits = triton.cdiv(kb, kb_per_split)
-    act = torch.empty((max_padded, inter), dtype=x.dtype, device=x.device)
+    act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)  # a row per slot, quantised by slot
     if splits > 1:
         partials = torch.empty((splits, t * k, 2 * inter), dtype=torch.float32, device=x.device)
         arrivals = _arrival_counters(x.device, max_blocks * n_tiles)

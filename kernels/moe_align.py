@@ -8,12 +8,12 @@ one expert. Output sizes depend only on (T*k, E, block_m) (`moe_align_sizes`),
 never on the routing; no host synchronisation: CUDA-graph capturable. Ids
 outside [0, E) are left out (a rank without an expert passes -1).
 
-Launches: one program for T*k <= SORTED_ALIGN (decode batches): every slot held
-at once, a histogram gives each expert's padded start and a bitonic sort of
-(expert, slot) keys each slot's rank within its expert (its sorted index less
-the slots of lower experts). Above that (the sort's stages outgrow one
-program), a per-chunk count launch and a scatter launch. Deterministic: no
-atomics decide an order. Contents: the PyTorch twin `moe_align_ref`, the Triton
+Launches: for T*k <= ONE_LAUNCH_ALIGN (decode batches) one launch of programs
+that each own EXPERTS_PER_PROGRAM experts: every program reads all the slots and
+counts them per expert (each expert's padded start), then ranks its own
+experts' slots by a running count along the slots. Above that (the per-program
+tiles outgrow the registers), a per-chunk count launch and a scatter launch.
+Deterministic: no atomics decide an order. Contents: the PyTorch twin `moe_align_ref`, the Triton
 kernels and the launcher `moe_align`.
 """
 
@@ -31,9 +31,11 @@ from kernels.fp8_gemm import _interpreting
 
 ID_DTYPES = (torch.int32, torch.int64)
 ALIGN_CHUNK = 128  # slots per program of the multi-program alignment (prefill chunks)
-SORTED_ALIGN = 1024  # up to this many slots one program sorts them (H200, E = 257: 4.8 us at 9 slots, 7.9 at
-# 288-432, 10.5 at 576, against 5.0 / 15.6-20.4 / 24.9 for passes over 64-slot sub-blocks and 21-23 for the
-# count and scatter launches, which win from 1,152 slots: 22.9 against 24.8)
+ONE_LAUNCH_ALIGN = 1024  # up to this many slots one launch aligns them (H200, E = 257, k = 9, in a CUDA graph:
+# 4.5 / 5.1 / 6.5 / 9.2 us at 72 / 144 / 288 / 576 slots, where one program sorting every slot took 5.3 / 5.9 / 7.9
+# / 10.5, passes over 64-slot sub-blocks 15.6-24.9 and the count and scatter launches 21-23, which win from 1,152
+# slots: 22.9 against 24.8)
+EXPERTS_PER_PROGRAM = 8  # experts whose slots one program of that launch places (E = 257: 33 programs)
 
 
 class MoEAlignment(NamedTuple):
@@ -171,51 +173,53 @@ def _align_scatter_kernel(
 
 
 @triton.jit(do_not_specialize=["num_slots", "max_padded", "max_blocks"])
-def _align_sorted_kernel(
+def _align_experts_kernel(
     ids_ptr, sorted_ptr, eob_ptr, npad_ptr,
     num_slots, num_experts, max_padded, max_blocks, top_k, stride_it, stride_ij,
-    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, TAIL: tl.constexpr, PAD: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr,
+    TAIL: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program, every slot at once: slot s of expert e goes to e's padded start plus its rank among e's
-    slots, which is its index in the sorted keys e * BLOCK_N + s less the count of slots of lower experts.
-    Slots left out (ids outside [0, E), lanes past num_slots) sort last and are never stored."""
+    """Program p places the slots of experts p * EXPERTS .. + EXPERTS - 1: every program reads all the slots and
+    counts them per expert (each expert's padded start), then ranks the slots of its own experts (a running count
+    along the slots) and stores them, their padding and their blocks' expert; the unused tail is shared out.
+    Slots left out (ids outside [0, E), lanes past num_slots) are never stored."""
     pdl.begin(PDL)
     pdl.wait(PDL)
+    p = tl.program_id(0)
     s = tl.arange(0, BLOCK_N)
     ex = tl.arange(0, BLOCK_E)
     e, ok = _load_ids(ids_ptr, s, num_slots, num_experts, top_k, stride_it, stride_ij)
     total = tl.histogram(tl.where(ok, e, BLOCK_E - 1), BLOCK_E)
     total = tl.where(ex < num_experts, total, 0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
+    starts = tl.cumsum(padded, axis=0) - padded
     num_padded = tl.sum(padded, axis=0)
-    below = tl.cumsum(total, axis=0) - total  # slots of lower experts
-    keys = tl.sort(tl.where(ok, e, num_experts) * BLOCK_N + s)
-    key_e = keys // BLOCK_N
-    place = s + tl.gather(starts - below, tl.minimum(key_e, BLOCK_E - 1), 0)
-    tl.store(sorted_ptr + place, keys % BLOCK_N, mask=key_e < num_experts)
 
-    # Padding after each expert's slots, its blocks' expert, then the unused tail.
-    pad_end = padded - total
-    for j0 in range(0, BLOCK_M, PAD):
-        col = j0 + tl.arange(0, PAD)
-        tl.store(sorted_ptr + (starts + total)[:, None] + col[None, :], num_slots,
-                 mask=col[None, :] < pad_end[:, None])
-    nblk = padded // BLOCK_M
-    sblk = starts // BLOCK_M
-    for r in range(0, tl.max(nblk, axis=0)):
-        tl.store(eob_ptr + sblk + r, ex, mask=r < nblk)
+    mine = p * EXPERTS + tl.arange(0, EXPERTS)
+    own = ex[None, :] == mine[:, None]
+    m_start = tl.sum(tl.where(own, starts[None, :], 0), axis=1)
+    m_total = tl.sum(tl.where(own, total[None, :], 0), axis=1)
+    m_blocks = (m_total + BLOCK_M - 1) // BLOCK_M
+    hit = (e[None, :] == mine[:, None]) & ok[None, :]
+    rank = tl.cumsum(hit.to(tl.int32), axis=1) - 1
+    tl.store(sorted_ptr + m_start[:, None] + rank, tl.broadcast_to(s[None, :], rank.shape), mask=hit)
+    col = tl.arange(0, BLOCK_M)
+    tl.store(sorted_ptr + (m_start + m_total)[:, None] + col[None, :], num_slots,
+             mask=col[None, :] < (m_blocks * BLOCK_M - m_total)[:, None])
+    for r in range(0, tl.max(m_blocks, axis=0)):
+        tl.store(eob_ptr + m_start // BLOCK_M + r, mine, mask=r < m_blocks)
+
     used_blocks = num_padded // BLOCK_M
-    for t0 in range(0, max_blocks, TAIL):
+    step = tl.num_programs(0) * TAIL
+    for t0 in range(p * TAIL, max_blocks, step):
         b = t0 + tl.arange(0, TAIL)
         tl.store(eob_ptr + b, tl.full([TAIL], -1, tl.int32), mask=(b >= used_blocks) & (b < max_blocks))
-    for t0 in range(0, max_padded, TAIL):
-        p = t0 + tl.arange(0, TAIL)
-        tl.store(sorted_ptr + p, tl.zeros([TAIL], dtype=tl.int32) + num_slots,
-                 mask=(p >= num_padded) & (p < max_padded))
-    tl.store(npad_ptr, num_padded)
+    for t0 in range(p * TAIL, max_padded, step):
+        q = t0 + tl.arange(0, TAIL)
+        tl.store(sorted_ptr + q, tl.zeros([TAIL], dtype=tl.int32) + num_slots,
+                 mask=(q >= num_padded) & (q < max_padded))
+    if p == 0:
+        tl.store(npad_ptr, num_padded)
 
 
 def _check_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool) -> None:
@@ -250,12 +254,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
         return MoEAlignment(sorted_ids, eob, num_padded)
     k = topk_ids.shape[1]
     si, sj = topk_ids.stride()
-    if n <= SORTED_ALIGN:
+    if n <= ONE_LAUNCH_ALIGN:
         block_n = max(16, triton.next_power_of_2(n))
-        _align_sorted_kernel[(1,)](
+        _align_experts_kernel[(triton.cdiv(num_experts, EXPERTS_PER_PROGRAM),)](
             topk_ids, sorted_ids, eob, num_padded, n, num_experts, max_padded, max_blocks, k, si, sj,
-            BLOCK_N=block_n, BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, TAIL=1024, PAD=16,
-            num_warps=4 if block_n <= 512 else 8, **pdl.launch_options(topk_ids.device)
+            BLOCK_N=block_n, BLOCK_E=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
+            EXPERTS=EXPERTS_PER_PROGRAM, TAIL=512, num_warps=4, **pdl.launch_options(topk_ids.device)
         )
         return MoEAlignment(sorted_ids, eob, num_padded)
     block_e = max(32, triton.next_power_of_2(num_experts))

@@ -91,8 +91,8 @@ def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int, al) -> No
 
 
 @pytest.mark.parametrize("t, k, e, block_m", [
-    (1, 8, 256, 16), (5, 2, 8, 16), (33, 2, 8, 16), (70, 2, 8, 64),  # one sorting program
-    (64, 8, 256, 16), (113, 9, 257, 16),  # one sorting program, up to 1,024 slots (GLM: 256 routed + 1 shared)
+    (1, 8, 256, 16), (5, 2, 8, 16), (33, 2, 8, 16), (70, 2, 8, 64),  # one launch
+    (64, 8, 256, 16), (113, 9, 257, 16),  # one launch, up to 1,024 slots (GLM: 256 routed + 1 shared)
     (20, 9, 257, 16),  # the shared expert folded in: 512 expert lanes
     (300, 8, 16, 32), (120, 9, 257, 16),  # the multi-program count and scatter
 ])
@@ -106,7 +106,7 @@ def test_moe_align_matches_twin(t, k, e, block_m):
 
 def test_moe_align_edge_cases():
     e, bm = 8, 16
-    # Every slot on one expert (several blocks; one sorting program, then several chunks), int32 ids.
+    # Every slot on one expert (several blocks; one launch, then several chunks), int32 ids.
     for tokens in (150, 600):
         ids = torch.full((tokens, 2), 3, dtype=torch.int32)
         al = moe_align(ids, e, bm)

@@ -4,8 +4,8 @@ Routed experts of one MoE layer: H = 6144, I = 2048 / 8 = 256, E = 256, k = 8,
 bf16 activations; bf16 weights and fp8 weights (128x128 block scales); T in
 (1, 8, 64, 128, 2048) tokens with random top-k routing (plus a skewed routing
 where half the slots land on 8 hot experts). Checks:
-- moe_align equals moe_align_ref element for element (the one-program
-  sorting path and the multi-program path of the alignment);
+- moe_align equals moe_align_ref element for element (the one-launch
+  path of the alignment and its count and scatter launches);
 - fused_moe equals fused_moe_ref (same roundings, float32 matmuls) to a
   tolerance relative to the output: the kernel differs by float32 summation
   order (and, for fp8, the tensor core's reduced-precision accumulation inside
