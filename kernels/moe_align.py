@@ -31,11 +31,12 @@ from kernels.fp8_gemm import _interpreting
 
 ID_DTYPES = (torch.int32, torch.int64)
 ALIGN_CHUNK = 128  # slots per program of the multi-program alignment (prefill chunks)
-ONE_LAUNCH_ALIGN = 1024  # up to this many slots one launch aligns them (H200, E = 257, k = 9, in a CUDA graph:
-# 4.5 / 5.1 / 6.5 / 9.2 us at 72 / 144 / 288 / 576 slots, where one program sorting every slot took 5.3 / 5.9 / 7.9
-# / 10.5, passes over 64-slot sub-blocks 15.6-24.9 and the count and scatter launches 21-23, which win from 1,152
-# slots: 22.9 against 24.8)
-EXPERTS_PER_PROGRAM = 8  # experts whose slots one program of that launch places (E = 257: 33 programs)
+ONE_LAUNCH_ALIGN = 1024  # up to this many slots one launch aligns them (H200, E = 257, k = 9, 16 routings in a CUDA
+# graph: 3.95 / 4.55 / 5.11 / 7.36 us at 72 / 144 / 288 / 576 slots, where one program sorting every slot took 5.20 /
+# 6.09 / 7.88 / 10.50, passes over 64-slot sub-blocks 15.6-24.9 and the count and scatter launches 21-23, which
+# win from 1,152 slots: 22.9 against 24.8)
+EXPERTS_PER_PROGRAM = 4  # experts whose slots one program of that launch places (E = 257: 65 programs of 4 warps;
+# 8 experts a program 4.30 / 5.41 / 6.44 / 9.06 us, 16 5.31-15.10, and 2 warps lose from 144 slots)
 
 
 class MoEAlignment(NamedTuple):
