@@ -94,6 +94,7 @@ def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int, al) -> No
     (1, 8, 256, 16), (5, 2, 8, 16), (33, 2, 8, 16), (70, 2, 8, 64),  # one launch
     (64, 8, 256, 16), (113, 9, 257, 16),  # one launch, up to 1,024 slots (GLM: 256 routed + 1 shared)
     (20, 9, 257, 16),  # the shared expert folded in: 512 expert lanes
+    (9, 1, 1, 16), (11, 2, 3, 32), (6, 3, 5, 16),  # fewer experts than one program owns, or not a multiple of it
     (300, 8, 16, 32), (120, 9, 257, 16),  # the multi-program count and scatter
 ])
 def test_moe_align_matches_twin(t, k, e, block_m):
