@@ -9,11 +9,12 @@ never on the routing; no host synchronisation: CUDA-graph capturable. Ids
 outside [0, E) are left out (a rank without an expert passes -1).
 
 Launches: for T*k <= ONE_LAUNCH_ALIGN (decode batches) one launch of programs
-that each own EXPERTS_PER_PROGRAM experts: every program reads all the slots and
-counts them per expert (each expert's padded start), then ranks its own
-experts' slots by a running count along the slots. Above that (the per-program
-tiles outgrow the registers), a per-chunk count launch and a scatter launch.
-Deterministic: no atomics decide an order. Contents: the PyTorch twin `moe_align_ref`, the Triton
+that each own EXPERTS_PER_PROGRAM experts: every program reads all the slots
+and counts them per expert (each expert's padded start), then ranks its own
+experts' slots by a running count along the slots. Above that (prefill
+chunks, where every program counting every slot would repeat the most work),
+a per-chunk count launch and a scatter launch. Deterministic: no atomics
+decide an order. Contents: the PyTorch twin `moe_align_ref`, the Triton
 kernels and the launcher `moe_align`.
 """
 
