@@ -82,14 +82,14 @@ def _bf16_dot(x, w, acc, IEEE: tl.constexpr):
 
 @triton.jit
 def _router_logits_fma_kernel(x_ptr, w_ptr, part_ptr, logits_ptr, arrivals_ptr, num_tokens, num_experts, hidden,
-                              k_per_split, stride_xt, stride_we, out_scale, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                              BLOCK_S: tl.constexpr, PDL: tl.constexpr):
+                              k_per_split, stride_xt, stride_we, out_scale,
+                              BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
     """logits[t, e-tile] for a token or two: each program (expert tile, token, K range) sums its range's IEEE
     float32 products in registers (a 16-row dot tile would be mostly padding) and stores them as part[s, t, e];
     the tile's last range to arrive adds the ranges' partials (one fixed-shape sum, so every rank adds alike),
-    writes the logits times `out_scale` and re-arms its counter. The selection then reads one float an expert, not one a
-    range (48 at GLM-5.3). With PDL the weight tile is requested before the wait for the kernel that writes x
-    (kernels/pdl.py)."""
+    writes the logits times `out_scale` and re-arms its counter. The selection then reads one float an expert,
+    not one a range (48 at GLM-5.3). With PDL the weight tile is requested before the wait for the kernel that
+    writes x (kernels/pdl.py)."""
     pdl.begin(PDL)
     pe, t, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_e = pe * BLOCK_E + tl.arange(0, BLOCK_E)
