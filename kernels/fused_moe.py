@@ -25,10 +25,18 @@ down projection is rounded to x.dtype, and the k slots of a token are summed in
 float32 in slot order (deterministic), then written in x.dtype.
 
 Launches (`fused_moe`):
-1. `moe_align`: token slots s = t*k + j grouped by expert, each expert's run
-   padded to a multiple of BLOCK_M with the sentinel T*k (one Triton launch for
-   T*k <= 1,024, else a count launch and a scatter launch; stable: slots ascend
-   within an expert).
+1. `moe_align` (the prefill tiles): token slots s = t*k + j grouped by
+   expert, each expert's run padded to a multiple of BLOCK_M with the sentinel
+   T*k (one Triton launch for T*k <= 1,024, else a count launch and a scatter
+   launch; stable: slots ascend within an expert).
+   Decode batches (`slot_led`, up to SLOT_LED_MAX_SLOTS slots) have no such
+   launch: gate/up runs a program per slot instead of per block, each reads
+   every slot's expert, and a slot whose rank among its expert's slots is a
+   multiple of BLOCK_M leads the block of the next BLOCK_M of them (the
+   alignment's block, rows in the same order, so the same bits); the others
+   return at once. One program of each block appends it to the list down reads
+   (the order of the list is the atomics', which changes no value), and the
+   slot sum re-arms the list's count.
 2. gate/up: one program per (block of BLOCK_M sorted slots, BLOCK_N columns of
    I, K range); it reads the block's expert, gathers the token rows, multiplies
    by the gate and up tiles of that expert and writes silu(gate) * up
@@ -80,12 +88,17 @@ from kernels.fp8_gemm import (
 )
 from kernels.fp8_pack import _cast_out
 from kernels.fused_moe_gemv import MoEOperands, fused_moe_gemv
-from kernels.moe_align import ID_DTYPES, moe_align
+from kernels.moe_align import ID_DTYPES, moe_align, moe_align_sizes
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _W_DTYPES = _ACT_DTYPES + (torch.float8_e4m3fn,)
 _MAX_GRID_Y = 65535
 SPLIT_PROGRAMS_PER_SM = 1  # gate/up programs per SM that the K split aims for at a few tokens (H200 sweep)
+# Slots up to which gate/up's programs find their blocks themselves (one program per slot, each reading every
+# slot's expert). H200, E = 257, k = 9, fused MoE in a graph (bench/RESULTS.md, 2026-12-04, twenty-ninth session):
+# against the alignment launch 47.7 / 86.0 / 139.4 / 213.5 us at T = 3 / 8 / 16 / 32 (the aligned blocks 51.1 /
+# 87.1 / 140.5 / 215.0); at T = 64 (576 slots) 300.8 against 278.4: 2,304 programs each reading 576 slots.
+SLOT_LED_MAX_SLOTS = 288
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,8 @@ class FusedMoEConfig:
     split_k: int = 1  # gate/up: ranges of H per tile; > 1: float32 partials summed by the tile's last range
     gemv: bool = False  # one token's slots as GEMVs (float32 products in registers, K unrolled, num_stages unused):
     # no alignment, two launches
+    slot_led: bool = False  # blocks found by gate/up's own programs, one per slot, instead of the alignment launch
+    # (decode batches of at most SLOT_LED_MAX_SLOTS slots)
 
     @classmethod
     def for_problem(cls, num_tokens: int, top_k: int, num_experts: int, *,
@@ -124,6 +139,7 @@ class FusedMoEConfig:
             # launches); H200 sweeps, fp8, 8 experts + the shared one (bench/RESULTS.md, 2026-12-01): 4 rows of
             # 2,048-column tiles for gate/up, 28.8 us at T = 1 and 40.5 at T = 2 (rolled loops, 8 rows: 34.8, 48.4)
             return cls(gemv=True, block_n=4, block_k=2048, block_n_down=16 if num_tokens == 1 else 32, block_k_down=256)
+        slot_led = num_tokens * top_k <= SLOT_LED_MAX_SLOTS
         if num_tokens * top_k > 32:
             # measured best from T = 8 up (fp8 weights, T = 64: 297 against 327 us): shallower pipelines, swapped
             # operands; down over two column tiles a program (T = 8 / 16 / 32 / 64: 28.9 / 47.9 / 74.2 / 99.5 ->
@@ -131,7 +147,7 @@ class FusedMoEConfig:
             # slots): gate/up with five stages (T = 5: 38.1 -> 34.3 us, 156 programs on 132 SMs each needing more
             # weight bytes in flight; T = 4: 57.4 us in all against 62.5 for the former unswapped 32-column tiles)
             return cls(block_m=16, block_n=64, block_n_down=128, num_stages=5 if num_tokens * top_k <= 48 else 3,
-                       num_stages_down=3, swap_ab=True, tiles_down=2)
+                       num_stages_down=3, swap_ab=True, tiles_down=2, slot_led=slot_led)
         # a few tokens: memory-bound on the touched experts' weights, which are too few tiles to keep every SM
         # streaming, so H is split (H200 sweep, fp8, 8 experts at T = 1: 30.8 us against 38.9 unsplit; 128-column
         # tiles, which could quantise the intermediate in the tile, were slower: 33.5 at their best split)
@@ -139,7 +155,7 @@ class FusedMoEConfig:
         block_n = 64 if weight_dtype == torch.float8_e4m3fn else 32
         busy_tiles = min(num_experts, num_tokens * top_k) * triton.cdiv(max(inter, 1), block_n)
         return cls(block_m=16, block_n=block_n, block_n_down=64, num_stages=4, num_stages_down=4, tiles_down=4,
-                   split_k=cls.split_for(busy_tiles, hidden, num_sms))
+                   split_k=cls.split_for(busy_tiles, hidden, num_sms), slot_led=slot_led)
 
     @staticmethod
     def split_for(busy_tiles: int, hidden: int, num_sms: int = _DEFAULT_SMS) -> int:
@@ -214,6 +230,34 @@ def _block_slots(sorted_ptr, b, num_slots, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _slot_lead(ids_ptr, s, num_slots, top_k, num_experts, stride_it, stride_ij, BLOCK_M: tl.constexpr,
+               BLOCK_S: tl.constexpr):
+    """Slot s's expert, every slot's expert ([BLOCK_S], -1 past num_slots), which of them share s's, and s's rank
+    among those (how many come before it). Slot s leads a block when its expert is in [0, E) and the rank is a
+    multiple of BLOCK_M: the block is its expert's next BLOCK_M slots, the alignment's block exactly."""
+    offs = tl.arange(0, BLOCK_S)
+    ids = tl.load(ids_ptr + (offs // top_k) * stride_it + (offs % top_k) * stride_ij, mask=offs < num_slots,
+                  other=-1).to(tl.int32)
+    e = tl.load(ids_ptr + (s // top_k) * stride_it + (s % top_k) * stride_ij).to(tl.int32)
+    same = (ids == e) & (offs < num_slots)
+    rank = tl.sum((same & (offs < s)).to(tl.int32), 0)
+    lead = (e >= 0) & (e < num_experts) & (rank % BLOCK_M == 0)
+    return e, offs, same, rank, lead
+
+
+@triton.jit
+def _led_slots(offs, same, first, num_slots, BLOCK_M: tl.constexpr):
+    """The block of an expert's slots (ascending) from its `first`-th on, and which rows are real; rows past
+    the expert's last slot hold the sentinel num_slots, as the alignment's padding."""
+    rank = tl.cumsum(same.to(tl.int32), 0) - 1
+    want = first + tl.arange(0, BLOCK_M)
+    hit = same[None, :] & (rank[None, :] == want[:, None])
+    valid = tl.sum(hit.to(tl.int32), 1) > 0
+    slot = tl.sum(tl.where(hit, offs[None, :], 0), 1)
+    return tl.where(valid, slot, num_slots), valid
+
+
+@triton.jit
 def _mma(a, w, acc, a_s, w_s, FP8: tl.constexpr, IEEE: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += a [BM, BK] . w [BN, BK]^T (scaled by a_s [BM] x w_s [BN] for fp8), acc [BM, BN] or, with
     SWAP_AB, [BN, BM]."""
@@ -248,28 +292,39 @@ def _finish_gate_up(acc_g, acc_u, slot, valid, cols, cmask, h_ptr, stride_hm, SO
                  mask=valid[:, None] & cmask[None, :])
 
 
-@triton.jit(do_not_specialize=["num_slots", "kb_per_split", "splits"])
+@triton.jit(do_not_specialize=["num_slots", "kb_per_split", "splits", "num_experts"])
 def _gate_up_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_ptr, eob_ptr, npad_ptr, h_ptr, part_ptr, arrivals_ptr,
-    num_slots, top_k, hidden, inter, kb_per_split, splits,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, sorted_ptr, eob_ptr, npad_ptr, h_ptr, part_ptr, arrivals_ptr, ids_ptr,
+    num_slots, top_k, hidden, inter, kb_per_split, splits, num_experts,
     stride_xt, stride_xst, stride_we, stride_wn, stride_wse, stride_wsn, stride_wsk, stride_hm, stride_ps, stride_pm,
+    stride_it, stride_ij,
     FP8: tl.constexpr, SOFT_CVT: tl.constexpr, IEEE: tl.constexpr, COMPUTE: tl.constexpr, SWAP_AB: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr, SLOT_LED: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     """h[s, n] = silu(x[tok(s)] . gate_e[n]) * (x[tok(s)] . up_e[n]) for the slots s of one block of expert e
-    (with SPLIT, over one range of H; the tile's last range finishes it)."""
+    (with SPLIT, over one range of H; the tile's last range finishes it). The block is the alignment's b-th, or
+    with SLOT_LED the one slot b leads (`_slot_lead`), which the program then lists for down."""
     pdl.begin(PDL)
     pdl.wait(PDL)
     nt = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
-    if b * BLOCK_M >= tl.load(npad_ptr):
-        return
-    e = tl.load(eob_ptr + b)
-    if e < 0:
-        return
-    slot, valid = _block_slots(sorted_ptr, b, num_slots, BLOCK_M)
+    if SLOT_LED:
+        e, offs_s, same, first, lead = _slot_lead(ids_ptr, b, num_slots, top_k, num_experts, stride_it, stride_ij,
+                                                 BLOCK_M, BLOCK_S)
+        if not lead:
+            return
+        slot, valid = _led_slots(offs_s, same, first, num_slots, BLOCK_M)
+        lists = (nt == 0) & (split == 0)  # one program of the block lists it for down: its place taken now,
+        start = tl.atomic_add(npad_ptr, BLOCK_M, mask=lists, sem="relaxed", scope="gpu")  # the stores at its end
+    else:
+        if b * BLOCK_M >= tl.load(npad_ptr):
+            return
+        e = tl.load(eob_ptr + b)
+        if e < 0:
+            return
+        slot, valid = _block_slots(sorted_ptr, b, num_slots, BLOCK_M)
     tok = (slot // top_k).to(tl.int64)
     cols = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < inter
@@ -329,6 +384,10 @@ def _gate_up_kernel(
                 acc_u += tl.load(src + inter, mask=pmask, other=0.0, cache_modifier=".cg")
             _finish_gate_up(acc_g, acc_u, slot, valid, cols, cmask, h_ptr, stride_hm, SOFT_CVT, SWAP_AB)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    if SLOT_LED:
+        if lists:
+            tl.store(sorted_ptr + start + tl.arange(0, BLOCK_M), slot)
+            tl.store(eob_ptr + start // BLOCK_M, e)
 
 
 @triton.jit(do_not_specialize=["num_slots"])
@@ -393,12 +452,17 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, hidden, num_experts, stride_it, stride_ij, stride_ym, stride_ot,
-                      TOP_K: tl.constexpr, BLOCK: tl.constexpr, SOFT_CVT: tl.constexpr, PDL: tl.constexpr):
-    """out[t] = sum over j in order of y[t*k + j], slots with an id outside [0, E) skipped."""
+def _sum_slots_kernel(y_ptr, ids_ptr, out_ptr, listed_ptr, hidden, num_experts, stride_it, stride_ij, stride_ym,
+                      stride_ot, TOP_K: tl.constexpr, BLOCK: tl.constexpr, SOFT_CVT: tl.constexpr,
+                      REARM: tl.constexpr, PDL: tl.constexpr):
+    """out[t] = sum over j in order of y[t*k + j], slots with an id outside [0, E) skipped. With REARM, zeroes
+    the count of slot-led blocks: down, which read it, has completed."""
     pdl.begin(PDL)
     pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
+    if REARM:
+        if (t == 0) & (tl.program_id(1) == 0):
+            tl.store(listed_ptr, 0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < hidden
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -496,44 +560,56 @@ def fused_moe(
     cfg = config or FusedMoEConfig.for_problem(t, k, num_experts, weight_dtype=w13.dtype, hidden=h, inter=inter,
                                                num_sms=_num_sms(x.device))
     _check_config(cfg, fp8)
+    if cfg.slot_led and not cfg.gemv and t * k > SLOT_LED_MAX_SLOTS:
+        raise ValueError(f"slot-led blocks read every slot in each program: at most {SLOT_LED_MAX_SLOTS} slots, "
+                         f"got T*k = {t * k}")
     ops = MoEOperands.of(x, w13, w13_scale_inv, w2_scale_inv, x_fp8)
     if cfg.gemv:
         fused_moe_gemv(ops, w13, w2, topk_weights, topk_ids, res, cfg)
         return res
-    sorted_ids, eob, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
-    max_blocks = eob.numel()
-    if max_blocks > _MAX_GRID_Y:
-        raise ValueError(f"T*k = {t * k} slots need {max_blocks} blocks of {cfg.block_m}, over the grid limit "
+    num_slots = t * k
+    if cfg.slot_led:  # gate/up's programs find the blocks and list them for down: no alignment launch
+        max_padded, max_blocks = moe_align_sizes(num_slots, num_experts, cfg.block_m)
+        sorted_ids = torch.empty(max_padded, dtype=torch.int32, device=x.device)
+        eob = torch.empty(max_blocks, dtype=torch.int32, device=x.device)
+        num_padded = _listed_slots(x.device)
+        gate_up_blocks = num_slots  # one program per slot (and column tile), the leaders work
+    else:
+        sorted_ids, eob, num_padded = moe_align(topk_ids, num_experts, cfg.block_m)
+        max_blocks = gate_up_blocks = eob.numel()
+    if max(max_blocks, gate_up_blocks) > _MAX_GRID_Y:
+        raise ValueError(f"T*k = {num_slots} slots need {max_blocks} blocks of {cfg.block_m}, over the grid limit "
                          f"{_MAX_GRID_Y}: use a larger block_m or split the batch")
     n_tiles = triton.cdiv(inter, cfg.block_n)
     kb = triton.cdiv(h, cfg.block_k)
     kb_per_split = triton.cdiv(kb, cfg.split_k)
     splits = triton.cdiv(kb, kb_per_split)
-    act = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)  # a row per slot, quantised by slot
+    act = torch.empty((num_slots, inter), dtype=x.dtype, device=x.device)  # a row per slot, quantised by slot
     if splits > 1:
-        partials = torch.empty((splits, t * k, 2 * inter), dtype=torch.float32, device=x.device)
-        arrivals = _arrival_counters(x.device, max_blocks * n_tiles)
+        partials = torch.empty((splits, num_slots, 2 * inter), dtype=torch.float32, device=x.device)
+        arrivals = _arrival_counters(x.device, gate_up_blocks * n_tiles)
     else:
         partials = arrivals = act  # unused
-    y = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
+    y = torch.empty((num_slots, h), dtype=x.dtype, device=x.device)
     soft, compute = ops.soft_cvt, ops.compute
     ieee = w13.dtype == torch.float32
-    _gate_up_kernel[(n_tiles, max_blocks, splits)](
-        ops.xq, ops.xs, w13, ops.s13, sorted_ids, eob, num_padded, act, partials, arrivals,
-        t * k, k, h, inter, kb_per_split, splits,
+    _gate_up_kernel[(n_tiles, gate_up_blocks, splits)](
+        ops.xq, ops.xs, w13, ops.s13, sorted_ids, eob, num_padded, act, partials, arrivals, topk_ids,
+        num_slots, k, h, inter, kb_per_split, splits, num_experts,
         ops.xq.stride(0), ops.xs_stride, w13.stride(0), w13.stride(1), *ops.s13_strides, act.stride(0),
         partials.stride(0) if splits > 1 else 0, partials.stride(1) if splits > 1 else 0,
+        topk_ids.stride(0), topk_ids.stride(1),
         FP8=fp8, SOFT_CVT=soft, IEEE=ieee, COMPUTE=compute, SWAP_AB=cfg.swap_ab,
-        SPLIT=splits > 1,
+        SPLIT=splits > 1, SLOT_LED=cfg.slot_led, BLOCK_S=triton.next_power_of_2(num_slots),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(ops.xq.device)
     )
     actq, acts = quantize_activations(act) if fp8 else (act, act)
     _down_kernel[(triton.cdiv(triton.cdiv(h, cfg.block_n_down), cfg.tiles_down), max_blocks)](
         actq, acts, w2, ops.s2, sorted_ids, eob, num_padded, topk_weights, y,
-        t * k, k, h, inter,
-        actq.stride(0), acts.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1), *ops.s2_strides, topk_weights.stride(0), topk_weights.stride(1),
-        y.stride(0),
+        num_slots, k, h, inter,
+        actq.stride(0), acts.stride(0) if fp8 else 0, w2.stride(0), w2.stride(1), *ops.s2_strides,
+        topk_weights.stride(0), topk_weights.stride(1), y.stride(0),
         FP8=fp8, SOFT_CVT=soft, IEEE=ieee, COMPUTE=compute, SWAP_AB=cfg.swap_ab,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=cfg.block_k_down,
         K_TILES=triton.cdiv(inter, cfg.block_k_down), TILES=cfg.tiles_down,
@@ -541,8 +617,25 @@ def fused_moe(
     )
     block = min(1024, triton.next_power_of_2(h))
     _sum_slots_kernel[(t, triton.cdiv(h, block))](
-        y, topk_ids, res, h, num_experts, topk_ids.stride(0), topk_ids.stride(1), y.stride(0), res.stride(0),
-        TOP_K=k, BLOCK=block, SOFT_CVT=soft, num_warps=4, **pdl.launch_options(y.device)
+        y, topk_ids, res, num_padded, h, num_experts, topk_ids.stride(0), topk_ids.stride(1), y.stride(0),
+        res.stride(0), TOP_K=k, BLOCK=block, SOFT_CVT=soft, REARM=cfg.slot_led, num_warps=4,
+        **pdl.launch_options(y.device)
     )
     return res
+
+
+_listed: dict[torch.device, torch.Tensor] = {}
+
+
+def _listed_slots(device: torch.device) -> torch.Tensor:
+    """The device's count of slots in the blocks that slot-led gate/up programs list for down ([1] int32, a
+    multiple of BLOCK_M, read by down as the alignment's `num_padded`), zero between calls: the slot sum,
+    launched after down, re-arms it. Allocated once per device outside any CUDA-graph capture (the first
+    call on a device is an eager one), and shared as the split-K arrival counters are: calls on one stream."""
+    listed = _listed.get(device)
+    if listed is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the first slot-led fused MoE on a device must run before any graph capture")
+        listed = _listed[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return listed
 

@@ -16,6 +16,8 @@ there). The GPU run at GLM-5.3 shapes is tests/gpu/test_fused_moe_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import zlib
 
@@ -303,6 +305,32 @@ def test_fused_moe_gemv(fmt, t, kw, config):
     assert_close(got.float(), want.float(), tol, "kernel vs twin, a foreign id")
 
 
+@pytest.mark.parametrize("fmt, t, kw, config", [
+    ("fp8", 5, dict(h=640), _C(block_m=16, block_n=64, split_k=2, swap_ab=True)),  # a K split at a few tokens
+    ("fp16", 40, dict(e=4), _C(block_m=16, block_n=32, block_n_down=64)),  # 20 slots an expert: two blocks each
+    ("fp32", 9, dict(k=3), _C(block_m=16, block_n=32, block_n_down=64, num_stages=2, tiles_down=2)),
+])
+def test_fused_moe_slot_led_blocks(fmt, t, kw, config):
+    """Blocks found by gate/up's own programs (each slot whose rank among its expert's slots is a multiple of
+    block_m leads the next block_m of them, and lists the block for down) give the aligned launches' bits, with
+    int64 and int32 ids and a foreign id; a second call (the listed-block count re-armed by the slot sum) gives
+    the same bits."""
+    x, w, weights, ids, aligned, ref = run_case(fmt, t, config=config, seed=6, **kw)
+    ids = ids.clone()
+    ids[1, 0] = -1
+    aligned = fused_moe(x, **w, topk_weights=weights, topk_ids=ids, config=config)
+    led = dataclasses.replace(config, slot_led=True)
+    got = fused_moe(x, **w, topk_weights=weights, topk_ids=ids, config=led)
+    assert torch.equal(got, aligned), "slot-led blocks differ from the aligned ones"
+    assert torch.equal(fused_moe(x, **w, topk_weights=weights, topk_ids=ids.int(), config=led), aligned)
+    tol = {torch.float32: TWIN_TOL[fmt], torch.float16: 2e-3}[x.dtype]
+    assert_close(got.float(), fused_moe_ref(x, **w, topk_weights=weights, topk_ids=ids).float(), tol, "kernel vs twin")
+    with pytest.raises(ValueError, match="slot-led"):
+        big = torch.zeros(289, 1, dtype=torch.long)
+        fused_moe(torch.zeros(289, x.shape[1], dtype=x.dtype), **w, topk_weights=torch.ones(289, 1),
+                  topk_ids=big, config=led)
+
+
 def test_fused_moe_small_k_tiles():
     _, _, _, _, out, ref = run_case("fp32", 12, config=_C(block_k=32, block_k_down=64), seed=2)
     assert_close(out, ref, TWIN_TOL["fp32"], "kernel vs twin")
@@ -333,7 +361,9 @@ def test_fused_moe_defaults_and_empty():
     glm = dict(weight_dtype=torch.float8_e4m3fn, hidden=6144, inter=256)
     assert FusedMoEConfig.for_problem(1, 9, 257, **glm).gemv and FusedMoEConfig.for_problem(2, 9, 257, **glm).gemv
     three = FusedMoEConfig.for_problem(3, 9, 257, **glm)
-    assert (three.gemv, three.block_n, three.split_k) == (False, 64, 2)
+    assert (three.gemv, three.block_n, three.split_k, three.slot_led) == (False, 64, 2, True)
+    assert FusedMoEConfig.for_problem(32, 9, 257, **glm).slot_led  # 288 slots: every program reads them all
+    assert not FusedMoEConfig.for_problem(64, 9, 257, **glm).slot_led  # 576: the alignment's launch
     assert not FusedMoEConfig.for_problem(1, 9, 257, hidden=6144, inter=256).gemv  # bf16 experts: tiles
     assert FusedMoEConfig.for_problem(4, 9, 257, weight_dtype=torch.float8_e4m3fn, hidden=6144).split_k == 1
 

@@ -176,3 +176,47 @@ def test_fused_moe_no_sync_and_cuda_graph(moe, experts, fmt):
         torch.cuda.synchronize()
         check(out.float(), moe.fused_moe_ref(x, topk_weights=weights, topk_ids=ids, **w).float(),
               f"{fmt} graph replay seed {seed}")
+
+
+@pytest.mark.parametrize("t", [3, 8, 16, 32])
+def test_slot_led_blocks_equal_the_alignment(moe, experts, t):
+    """The decode tiles' blocks found by gate/up's own programs (`slot_led`, the default up to 288 slots) give
+    the aligned launches' bits, with the shared expert folded in (E = 257, k = 9: at T = 32 the shared expert's
+    slots fill two blocks), skewed routing (16 slots on each hot expert), a foreign id; and again from a CUDA graph
+    replayed with new routings (the listed-block count is re-armed by every call)."""
+    import dataclasses
+
+    w = experts["fp8"]
+    extra = dict(w13=torch.cat([w["w13"], w["w13"][:1]]), w2=torch.cat([w["w2"], w["w2"][:1]]),
+                 w13_scale_inv=torch.cat([w["w13_scale_inv"], w["w13_scale_inv"][:1]]),
+                 w2_scale_inv=torch.cat([w["w2_scale_inv"], w["w2_scale_inv"][:1]]))
+    led = moe.FusedMoEConfig.for_problem(t, K + 1, E + 1, weight_dtype=torch.float8_e4m3fn, hidden=H, inter=I)
+    assert led.slot_led
+    aligned = dataclasses.replace(led, slot_led=False)
+
+    def inputs(seed):
+        weights, ids = routing(t, seed=seed, skewed=seed % 2 == 1)
+        ids[0, 1] = -1
+        return (activations(t, seed=seed), torch.cat([weights, torch.ones_like(weights[:, :1])], 1),
+                torch.cat([ids, torch.full_like(ids[:, :1], E)], 1))
+
+    x, weights, ids = inputs(31)
+    want = moe.fused_moe(x, topk_weights=weights, topk_ids=ids, config=aligned, **extra)
+    got = moe.fused_moe(x, topk_weights=weights, topk_ids=ids, config=led, **extra)
+    assert torch.equal(got, want), "slot-led blocks differ from the aligned ones"
+    check(got.float(), moe.fused_moe_ref(x, topk_weights=weights, topk_ids=ids, **extra).float(), f"fp8 led T={t}")
+    out = torch.empty_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe.fused_moe(x, topk_weights=weights, topk_ids=ids, out=out, config=led, **extra)
+    for seed in (32, 33):
+        new_x, new_w, new_ids = inputs(seed)
+        x.copy_(new_x)
+        weights.copy_(new_w)
+        ids.copy_(new_ids)
+        graph.replay()
+        want = moe.fused_moe(x, topk_weights=weights, topk_ids=ids, config=aligned, **extra)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want), f"graph replay with seed {seed} differs from the aligned blocks"
+    del extra
+    torch.cuda.empty_cache()
