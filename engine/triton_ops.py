@@ -36,18 +36,15 @@ class _IndexerRows(NamedTuple):
     visible: torch.Tensor  # [T] int32: positions the row sees, its position + 1
     scored: torch.Tensor  # [T] int32: positions it scores, min(its context, position + 1) within the step's context
     counts: torch.Tensor  # [T] int32: positions it selects, min(its context, position + 1, width)
-    past_context: torch.Tensor  # [T, width] bool: columns past the row's context (a shorter request's padding)
 
     @classmethod
     def of(cls, batch: ForwardBatch, width: int) -> _IndexerRows:
         row_ctx = batch.context_lens[batch.req_of_row]
         visible = batch.positions + 1
-        columns = torch.arange(width, device=row_ctx.device)[None, :]
         row_ctx32, visible32 = row_ctx.to(torch.int32), visible.to(torch.int32)
         scored = visible_lengths(row_ctx32, visible32, batch.max_context)
         return cls(batch.indexer_page_table.to(torch.int32), batch.req_of_row.to(torch.int32), row_ctx32, visible32,
-                   scored, torch.clamp(scored, max=width),  # width <= max_context: the same as clamping the minimum
-                   columns >= row_ctx[:, None])
+                   scored, torch.clamp(scored, max=width))  # width <= max_context: the same as clamping the minimum
 
 
 class TritonAttentionOps(TorchAttentionOps):
@@ -97,10 +94,10 @@ class TritonAttentionOps(TorchAttentionOps):
                 limits.visible[part], kv_format=self.layout.kv_format, scale=scale, topk=topk, max_ctx=max_ctx,
                 visible=limits.scored[part],
             )
-            topk_positions(scores, width, out=positions[part])
-        # Past its own context, a request shorter than the width gets invisible positions from the top-K; the
-        # PyTorch ops leave those columns 0.
-        positions.masked_fill_(limits.past_context, 0)
+            # Past its own context, a request shorter than the width gets invisible positions from the top-K (the
+            # -inf scores past it, in position order, so column j holds position j there); the PyTorch ops leave
+            # those columns 0, and the top-K writes them so (`limits`), not a launch of its own at each full layer.
+            topk_positions(scores, width, out=positions[part], limits=limits.row_ctx[part])
         return TopK(positions, limits.counts)
 
     def selection_indices(self, slots: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,13 +55,14 @@ _ZERO_KEY: tl.constexpr = tl.constexpr(0x80000000)  # the key of 0.0 and -0.0
 _NEG_INF_KEY: tl.constexpr = tl.constexpr(0x007FFFFF)  # the key of -inf
 
 
-def topk_positions_ref(scores: torch.Tensor, k: int) -> torch.Tensor:
+def topk_positions_ref(scores: torch.Tensor, k: int, limits: torch.Tensor | None = None) -> torch.Tensor:
     """[R, K] int64 positions of each row's K largest scores (stable descending sort, ties to the smaller
-    position), in ascending position order."""
+    position), in ascending position order; with `limits` [R], positions at or past a row's limit read 0."""
     _check(scores, k, kernel=False)
     canonical = torch.where(scores == 0, torch.zeros_like(scores), scores)  # -0.0 ties with 0.0 in the sort too
     chosen = canonical.sort(dim=-1, descending=True, stable=True).indices[:, :k]
-    return chosen.sort(dim=-1).values
+    chosen = chosen.sort(dim=-1).values
+    return chosen if limits is None else chosen.masked_fill(chosen >= limits[:, None], 0)
 
 
 @triton.jit
@@ -74,11 +75,12 @@ def _keys(s):
 
 
 @triton.jit
-def _place(out_ptr, r, stride_o, cols, inside, key, kth, above_before, ties_before, ties_wanted):
+def _place(out_ptr, r, stride_o, cols, inside, key, kth, above_before, ties_before, ties_wanted, limit):
     """Writes the chosen positions among `cols`: keys above T and the row's first `ties_wanted` ties (by
     position), after `above_before` keys above T and `ties_before` ties at earlier positions of the row (one
-    prefix sum counts both kinds before each position: keys above T in the low 16 bits, ties above them).
-    The one-program kernel places a whole row (nothing before it), the radix select one chunk of a row."""
+    prefix sum counts both kinds before each position: keys above T in the low 16 bits, ties above them);
+    a position at or past `limit` is written as 0. The one-program kernel places a whole row (nothing before
+    it), the radix select one chunk of a row."""
     ties_here = tl.maximum(ties_wanted - ties_before, 0)
     above = inside & (key > kth)
     tie = inside & (key == kth)
@@ -86,11 +88,20 @@ def _place(out_ptr, r, stride_o, cols, inside, key, kth, above_before, ties_befo
     take = above | (tie & ((before >> 16) - 1 < ties_here))
     place = (above_before + tl.minimum(ties_before, ties_wanted)
              + (before & 0xFFFF) + tl.minimum(before >> 16, ties_here) - 1)
-    tl.store(out_ptr + r * stride_o + place, cols.to(out_ptr.dtype.element_ty), mask=take)
+    tl.store(out_ptr + r * stride_o + place, tl.where(cols < limit, cols, 0).to(out_ptr.dtype.element_ty), mask=take)
+
+
+@triton.jit
+def _row_limit(limits_ptr, r, width, HAS_LIMITS: tl.constexpr):
+    """Row r's limit: positions at or past it are written as 0 (the row's width when there are none)."""
+    if HAS_LIMITS:
+        return tl.load(limits_ptr + r)
+    return width
 
 
 @triton.jit(do_not_specialize=["width", "k"])
-def _topk_kernel(scores_ptr, out_ptr, width, k, stride_s, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _topk_kernel(scores_ptr, out_ptr, limits_ptr, width, k, stride_s, stride_o, BLOCK: tl.constexpr,
+                 HAS_LIMITS: tl.constexpr, PDL: tl.constexpr):
     pdl.begin(PDL)
     pdl.wait(PDL)
     r = tl.program_id(0).to(tl.int64)
@@ -104,7 +115,8 @@ def _topk_kernel(scores_ptr, out_ptr, width, k, stride_s, stride_o, BLOCK: tl.co
         at_least = tl.sum(tl.where(key >= candidate, 1.0, 0.0))  # float32 counts are exact here; bool sums pack bits
         kth = tl.where(at_least >= k, candidate, kth)
     ties_to_take = k - tl.sum(tl.where(key > kth, 1, 0))
-    _place(out_ptr, r, stride_o, cols, inside, key, kth, 0, 0, ties_to_take)
+    _place(out_ptr, r, stride_o, cols, inside, key, kth, 0, 0, ties_to_take,
+           _row_limit(limits_ptr, r, width, HAS_LIMITS))
 
 
 @triton.jit
@@ -195,8 +207,8 @@ def _radix_pass_kernel(scores_ptr, hist_ptr, state_ptr, counts_ptr, arrivals_ptr
 
 
 @triton.jit(do_not_specialize=["width", "num_chunks"])
-def _radix_place_kernel(scores_ptr, state_ptr, counts_ptr, out_ptr, width, num_chunks, stride_s, stride_o,
-                        CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
+def _radix_place_kernel(scores_ptr, state_ptr, counts_ptr, out_ptr, limits_ptr, width, num_chunks, stride_s, stride_o,
+                        CHUNK: tl.constexpr, BLOCK_C: tl.constexpr, HAS_LIMITS: tl.constexpr):
     """Writes chunk c's chosen positions: its keys above T and the row's first ties (by position) that fall
     in it, after the chosen keys of the chunks before it, in ascending position order."""
     c, r = tl.program_id(0), tl.program_id(1).to(tl.int64)
@@ -207,7 +219,8 @@ def _radix_place_kernel(scores_ptr, state_ptr, counts_ptr, out_ptr, width, num_c
     mask = earlier < c
     above_before = tl.sum(tl.load(counts_ptr + (r * num_chunks + earlier) * 2, mask=mask, other=0))
     ties_before = tl.sum(tl.load(counts_ptr + (r * num_chunks + earlier) * 2 + 1, mask=mask, other=0))
-    _place(out_ptr, r, stride_o, cols, inside, key, kth, above_before, ties_before, ties_wanted)
+    _place(out_ptr, r, stride_o, cols, inside, key, kth, above_before, ties_before, ties_wanted,
+           _row_limit(limits_ptr, r, width, HAS_LIMITS))
 
 
 def wide_chunk(rows: int, width: int) -> int:
@@ -227,21 +240,22 @@ def wide_chunk(rows: int, width: int) -> int:
 
 
 def radix_topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None,
-                         chunk: int | None = None) -> torch.Tensor:
+                         chunk: int | None = None, *, limits: torch.Tensor | None = None) -> torch.Tensor:
     """`topk_positions` by the radix select in chunks of `chunk` scores (a power of two; default
     `wide_chunk`), at any width: what rows wider than MAX_KERNEL_WIDTH take (module docstring)."""
-    _check(scores, k, kernel=True)
+    _check(scores, k, kernel=True, limits=limits)
     if chunk is None:
         chunk = wide_chunk(*scores.shape)
     if chunk < 16 or chunk & (chunk - 1) or chunk >= 1 << 16:
         raise ValueError(f"chunk must be a power of two in [16, 32768], got {chunk}")
     out = _out(scores, k, out)
     if scores.shape[0]:
-        _radix_select(scores, k, out, chunk)
+        _radix_select(scores, k, out, chunk, limits)
     return out
 
 
-def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int) -> None:
+def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int,
+                  limits: torch.Tensor | None = None) -> None:
     """The radix select's launches for checked inputs (at least one row). Its kernels never launch with
     programmatic dependent launch, also inside `pdl.launches(True)`: with it the scoring + selection of a
     64K-128K row took 1.2-1.5x as long (H200, B = 1 / 8 at 128K: 90 / 146 us against 72 / 123;
@@ -257,13 +271,18 @@ def _radix_select(scores: torch.Tensor, k: int, out: torch.Tensor, chunk: int) -
     for p in range(4):
         _radix_pass_kernel[grid](scores, hist, state, counts, arrivals, width, k, num_chunks, scores.stride(0),
                                  PASS=p, CHUNK=chunk, TILE_C=16, num_warps=4)
-    _radix_place_kernel[grid](scores, state, counts, out, width, num_chunks, scores.stride(0), out.stride(0),
-                              CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=4)
+    _radix_place_kernel[grid](scores, state, counts, out, out if limits is None else limits, width, num_chunks,
+                              scores.stride(0), out.stride(0), CHUNK=chunk, BLOCK_C=triton.next_power_of_2(num_chunks),
+                              HAS_LIMITS=limits is not None, num_warps=4)
 
 
-def _check(scores: torch.Tensor, k: int, kernel: bool) -> None:
+def _check(scores: torch.Tensor, k: int, kernel: bool, limits: torch.Tensor | None = None) -> None:
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be float32 [R, W], got {tuple(scores.shape)} {scores.dtype}")
+    if limits is not None and (limits.shape != scores.shape[:1] or limits.dtype != torch.int32
+                               or limits.device != scores.device or not limits.is_contiguous()):
+        raise ValueError(f"limits must be a contiguous int32 [{scores.shape[0]}] tensor on {scores.device}, got "
+                         f"{tuple(limits.shape)} {limits.dtype} on {limits.device}")
     if not 1 <= k <= scores.shape[1]:
         raise ValueError(f"k must be in [1, W = {scores.shape[1]}], got {k}")
     if kernel and scores.stride(1) != 1:
@@ -288,22 +307,25 @@ def one_program_warps(width: int) -> int:
 
 
 def topk_positions(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
-                   num_warps: int | None = None) -> torch.Tensor:
+                   limits: torch.Tensor | None = None, num_warps: int | None = None) -> torch.Tensor:
     """[R, K] positions of each row's K largest scores (see the module docstring), int64, or written into `out`
-    (an integer [R, K] tensor, e.g. a view of a larger buffer). `num_warps` asks for the one-program Triton
-    kernel (rows up to MAX_KERNEL_WIDTH) at that many warps instead of the CUDA select."""
-    _check(scores, k, kernel=True)
+    (an integer [R, K] tensor, e.g. a view of a larger buffer). `limits` (int32 [R]): positions at or past a
+    row's limit are written as 0 (the indexer's columns past a shorter request's context), in the same launch.
+    `num_warps` asks for the one-program Triton kernel (rows up to MAX_KERNEL_WIDTH) at that many warps instead
+    of the CUDA select."""
+    _check(scores, k, kernel=True, limits=limits)
     rows, width = scores.shape
     out = _out(scores, k, out)
     if rows == 0:
         return out
     if num_warps is None and topk_cuda.supports(scores, out):
-        topk_cuda.launch(scores, k, out)
+        topk_cuda.launch(scores, k, out, limits=limits)
         return out
     if width > MAX_KERNEL_WIDTH:
-        _radix_select(scores, k, out, wide_chunk(rows, width))
+        _radix_select(scores, k, out, wide_chunk(rows, width), limits)
         return out
     block = triton.next_power_of_2(width)
-    _topk_kernel[(rows,)](scores, out, width, k, scores.stride(0), out.stride(0), BLOCK=block,
-                          num_warps=num_warps or one_program_warps(width), **pdl.launch_options(scores.device))
+    _topk_kernel[(rows,)](scores, out, out if limits is None else limits, width, k, scores.stride(0), out.stride(0),
+                          BLOCK=block, HAS_LIMITS=limits is not None, num_warps=num_warps or one_program_warps(width),
+                          **pdl.launch_options(scores.device))
     return out

@@ -76,6 +76,7 @@ struct TopKParams {
   int k;
   int span;             // scores a thread, a multiple of 4
   int out_int64;
+  const int* limits;    // [rows] or null: positions at or past a row's limit are written as 0
 };
 
 struct Shared {
@@ -408,6 +409,7 @@ topk_cluster(const TopKParams p) {
   if (above == 0 && (ties == 0 || ties_before >= need)) return;
   long long* out64 = static_cast<long long*>(p.out) + static_cast<long long>(blockIdx.y) * p.stride_o;
   int* out32 = static_cast<int*>(p.out) + static_cast<long long>(blockIdx.y) * p.stride_o;
+  const int limit = p.limits != nullptr ? p.limits[blockIdx.y] : p.width;
   const auto place = [&](bool is_above, int pos) {
     int at = -1;
     if (is_above) {
@@ -418,8 +420,9 @@ topk_cluster(const TopKParams p) {
       ++ties_before;
     }
     if (at >= 0) {
-      if (p.out_int64) out64[at] = pos;
-      else out32[at] = pos;
+      const int value = pos < limit ? pos : 0;
+      if (p.out_int64) out64[at] = value;
+      else out32[at] = value;
     }
   };
   if (listed) {

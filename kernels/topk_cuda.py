@@ -92,6 +92,7 @@ class _Params(ctypes.Structure):
         ("scores", ctypes.c_void_p), ("out", ctypes.c_void_p),
         ("stride_s", ctypes.c_longlong), ("stride_o", ctypes.c_longlong),
         ("width", ctypes.c_int), ("k", ctypes.c_int), ("span", ctypes.c_int), ("out_int64", ctypes.c_int),
+        ("limits", ctypes.c_void_p),
     ]
 
 
@@ -127,11 +128,14 @@ def supports(scores: torch.Tensor, out: torch.Tensor, variant: Variant | None = 
     )
 
 
-def launch(scores: torch.Tensor, k: int, out: torch.Tensor, variant: Variant | None = None) -> None:
-    """Writes each row's top-K positions into `out` (int32 or int64 [R, K], unit last stride); only where
-    `supports` holds. `variant` defaults to `variant_for` the rows, their width and the GPU."""
+def launch(scores: torch.Tensor, k: int, out: torch.Tensor, variant: Variant | None = None, *,
+           limits: torch.Tensor | None = None) -> None:
+    """Writes each row's top-K positions into `out` (int32 or int64 [R, K], unit last stride), positions at or
+    past a row's `limits` (int32 [R], checked by the caller) as 0; only where `supports` holds. `variant`
+    defaults to `variant_for` the rows, their width and the GPU."""
     rows, width = scores.shape
     variant = variant or _variant(scores)
     params = _Params(scores.data_ptr(), out.data_ptr(), scores.stride(0), out.stride(0), width, k,
-                     variant.span(width), int(out.dtype == torch.int64))
+                     variant.span(width), int(out.dtype == torch.int64),
+                     None if limits is None else limits.data_ptr())
     _kernel(variant).launch(scores.device, (variant.cluster, rows, 1), variant.threads, params)

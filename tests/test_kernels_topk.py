@@ -114,6 +114,26 @@ def test_topk_wide_rows_take_the_radix_select(width, k):
     assert torch.equal(topk_positions(scores, k), topk_positions_ref(scores, k))
 
 
+def test_limits_write_positions_past_a_row_as_zero():
+    """`limits` (a shorter request's context in a batch scored to a longer one's width): the positions at or past
+    a row's limit read 0, in the one-program kernel and the radix select alike, as the twin's masked fill; rows
+    whose limit is the width are untouched; the limits' shape and dtype are checked."""
+    scores = indexer_like(4, 300, seed=11)
+    visible = torch.tensor([300, 40, 7, 150])
+    scores[torch.arange(300)[None, :] >= visible[:, None]] = float("-inf")
+    limits = visible.to(torch.int32)
+    want = topk_positions_ref(scores, 64, limits)
+    assert torch.equal(want[1, 40:], torch.zeros(24, dtype=torch.int64)) and (want[1, 1:40] > 0).all()
+    assert torch.equal(want[0], topk_positions_ref(scores, 64)[0])
+    assert torch.equal(topk_positions(scores, 64, limits=limits), want)
+    assert torch.equal(radix_topk_positions(scores, 64, chunk=32, limits=limits), want)
+    buf = torch.full((4, 64), -7, dtype=torch.int32)
+    assert torch.equal(topk_positions(scores, 64, out=buf, limits=limits).long(), want)
+    for bad in (limits.long(), limits[:3]):
+        with pytest.raises(ValueError, match="limits"):
+            topk_positions(scores, 64, limits=bad)
+
+
 def test_topk_rejects_bad_input():
     scores = torch.zeros(2, 10)
     for bad in (lambda: topk_positions(scores, 11), lambda: topk_positions(scores, 0),

@@ -113,3 +113,29 @@ def test_unaligned_rows_take_the_triton_select():
     assert not topk_cuda.supports(scores, out)
     assert torch.equal(topk_positions(scores, 2048, out=out), topk_positions_ref(scores, 2048))
     assert torch.equal(radix_topk_positions(scores.contiguous(), 2048), out)
+
+
+@pytest.mark.parametrize("width", [8192, 131072])
+def test_limits_write_positions_past_a_row_as_zero(width):
+    """A batch scored to its longest request's width: a shorter request's row (-inf past its context, which is
+    shorter than K) gets zeros past its limit from the cluster select, the one-program kernel and the radix
+    select alike, in an int32 view too, and from a CUDA graph; a row whose limit is the width is untouched."""
+    scores = indexer_like(4, width, seed=5)
+    lengths = torch.tensor([width, 100, 1, 2047], device="cuda")
+    scores = scores.masked_fill(torch.arange(width, device="cuda") >= lengths[:, None], float("-inf"))
+    limits = lengths.to(torch.int32)
+    want = topk_positions_ref(scores, 2048, limits)
+    assert (want[1, 100:] == 0).all() and torch.equal(want[0], topk_positions_ref(scores, 2048)[0])
+    assert torch.equal(topk_positions(scores, 2048, limits=limits), want)
+    if width <= 16384:
+        assert torch.equal(topk_positions(scores, 2048, limits=limits, num_warps=one_program_warps(width)), want)
+    assert torch.equal(radix_topk_positions(scores, 2048, limits=limits), want)
+    buf = torch.full((4, 2048), -7, dtype=torch.int32, device="cuda")
+    assert torch.equal(topk_positions(scores, 2048, out=buf, limits=limits).long(), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        topk_positions(scores, 2048, out=buf, limits=limits)
+    buf.fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(buf.long(), want)
