@@ -8,6 +8,10 @@ one expert. Output sizes depend only on (T*k, E, block_m) (`moe_align_sizes`),
 never on the routing; no host synchronisation: CUDA-graph capturable. Ids
 outside [0, E) are left out (a rank without an expert passes -1).
 
+The fused MoE's decode tiles up to `kernels.fused_moe.SLOT_LED_MAX_SLOTS` slots
+find their blocks in gate/up's own programs instead; the larger decode batches
+and the prefill tiles align here.
+
 Launches: for T*k <= ONE_LAUNCH_ALIGN (decode batches) one launch of programs
 that each own EXPERTS_PER_PROGRAM experts: every program reads all the slots
 and counts them per expert (each expert's padded start), then ranks its own
