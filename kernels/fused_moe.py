@@ -96,8 +96,8 @@ _MAX_GRID_Y = 65535
 SPLIT_PROGRAMS_PER_SM = 1  # gate/up programs per SM that the K split aims for at a few tokens (H200 sweep)
 # Slots up to which gate/up's programs find their blocks themselves (one program per slot, each reading every
 # slot's expert). H200, E = 257, k = 9, fused MoE in a graph (bench/RESULTS.md, 2026-12-04, twenty-ninth session):
-# against the alignment launch 47.7 / 86.0 / 139.4 / 213.5 us at T = 3 / 8 / 16 / 32 (the aligned blocks 51.1 /
-# 87.1 / 140.5 / 215.0); at T = 64 (576 slots) 300.8 against 278.4: 2,304 programs each reading 576 slots.
+# 48.1 / 85.6 / 138.8 / 213.9 us at T = 3 / 8 / 16 / 32 against 51.7 / 86.6 / 139.6 / 214.7 after the alignment
+# launch; at T = 64 (576 slots) 300.8 against 278.4: 2,304 programs each reading 576 slots.
 SLOT_LED_MAX_SLOTS = 288
 
 
