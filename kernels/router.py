@@ -125,9 +125,9 @@ _TAKEN: tl.constexpr = tl.constexpr(-(2**63))  # below every key: an expert alre
 
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, scale, num_tokens, num_experts,
-                   SPLITS: tl.constexpr, GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr,
-                   SLOTS: tl.constexpr, NORMALISE: tl.constexpr, SHARED: tl.constexpr, SHARED_SLOT: tl.constexpr,
-                   PDL: tl.constexpr):
+                   SPLITS: tl.constexpr, GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   TOPK: tl.constexpr, SLOTS: tl.constexpr, NORMALISE: tl.constexpr, SHARED: tl.constexpr,
+                   SHARED_SLOT: tl.constexpr, PDL: tl.constexpr):
     pdl.begin(PDL)
     pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
