@@ -36,8 +36,8 @@ TOP_K = 2048
 HOT_ROWS = 4096
 CTX = 32768
 GIB = 1 << 30
-# the resolve plan's victim search forms timed side by side: (probes a round, first round near the smallest key)
-SEARCH_FORMS = [(1, False), (1, True), (2, True), (3, False), (3, True)]
+# the resolve plan's victim search forms timed side by side: (probes a round, bins of a first histogram round)
+SEARCH_FORMS = [(1, 0), (3, 0), (1, 32), (3, 64), (3, 32)]
 SLEEP_CYCLES = 4_000_000  # about 2 ms at 1.98 GHz: longer than any eager enqueue below
 
 
@@ -333,15 +333,15 @@ def bench_plan_graph(layout, gpu_pool, host_pool, log) -> list[dict]:
         # kernels) every call; the engine builds its table on the host and moves it in one copy.
         topk_pos, counts, gpu_pages, host_pages, hot, held, stamp, rmap, step_t = args[:9]
         table, step_s = resolve._stacked_lease_table(hot, held, stamp, rmap), step_t.to(stamp.dtype)
-        # the victim search's probe rules side by side (probes a round, first round near the smallest key),
-        # the default last
-        default = (resolve._SEARCH_WAYS, resolve._SEARCH_GALLOP)
-        for ways, gallop in [f for f in SEARCH_FORMS if f != default] + [default]:
-            resolve._SEARCH_WAYS, resolve._SEARCH_GALLOP = ways, gallop
+        # the victim search's forms side by side (probes a round, a first round of histogram bins above the
+        # smallest key or none), the default last
+        default = (resolve._SEARCH_WAYS, resolve._SEARCH_BINS)
+        for ways, bins in [f for f in SEARCH_FORMS if f != default] + [default]:
+            resolve._SEARCH_WAYS, resolve._SEARCH_BINS = ways, bins
             us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table, stamp.dtype,
                                                        rmap.dtype, step_s, gpu_pool, None, resolve.PAGE_SIZE, 8),
                           20, setup=reset) * 1e3
-            form = f"{ways} probe{'s' if ways > 1 else ''} a round{', first near the smallest key' if gallop else ''}"
+            form = f"{ways} probe{'s' if ways > 1 else ''} a round{f', first {bins} bins' if bins else ''}"
             rows.append(dict(what=f"plan kernel (table built once; {form})", miss_rate=rate, warps=8, us=us))
             log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}): {us:.2f} us")
         # other table dtypes, the default form: the engine's (int64 stamps, int32 reverse map:

@@ -18,9 +18,9 @@ step that calls them can be captured in a CUDA graph:
 
 1. plan (one program per request): classify the K positions, detect hits by
    gathering the reverse map `pos_to_hot`, pick victims with a threshold search
-   on the per-slot stamps (a few probes a round, their counts in one packed
-   sum, the first round just above the oldest stamp) plus one prefix-sum
-   compaction, update the LRU state in place and write a compacted list of
+   on the per-slot stamps (a first round that bins the stamps just above the
+   oldest one, then, when the threshold lies beyond them, a few probes a round,
+   their counts in one packed sum) plus one prefix-sum compaction, update the LRU state in place and write a compacted list of
    (host slot, hot slot) copies;
 2. copy (a persistent grid over every miss of the batch): each program maps
    global miss numbers to (request, miss) with a prefix sum over the per-request
@@ -65,14 +65,16 @@ from kernels import pdl
 PAGE_SIZE = 64
 _COPY_RUNS_PER_PROGRAM = 4
 _COPY_PROGRAMS_PER_SM = 8
-# Threshold probes per round of the victim search (at most 3: their counts share one int64 sum, _FIELD_BITS each).
-# H200, B = 100, 1 % misses, CUDA graph, with the first round near the smallest key: 3 probes 14.1-14.3 us against
-# binary search's 15.4-15.7 (bench/RESULTS.md, 2026-12-01, tenth session).
+# Threshold probes per round of the victim search after its first round (at most 3: their counts share one int64
+# sum, _FIELD_BITS each). H200, B = 100, 1 % misses, CUDA graph: 3 probes 14.1-14.3 us against binary search's
+# 15.4-15.7 (bench/RESULTS.md, 2026-12-01, tenth session).
 _SEARCH_WAYS = 3
-# First round of the victim search probes lo + 4**w - 1 (w < ways: lo itself first) instead of even splits: a
-# step's victims are the oldest few slots, so the threshold sits at or just above the smallest key (empty slots
-# are all -1; a lease's first fill stamps thousands of slots alike), where even splits take log2 of the span.
-_SEARCH_GALLOP = True
+# The first round counts the candidates' keys in _SEARCH_BINS bins above the smallest one (one `tl.histogram`: a
+# ballot a bit of the bin and a popcount a bin, no block reduction a probe): a step's victims are the oldest few
+# slots, so the threshold nearly always lies within BINS - 2 of the smallest key (empty slots are all -1; a lease's
+# first fill stamps thousands of slots alike) and the search ends there; past it, rounds of even splits go on.
+# 0: every round even splits from the candidates' bounds.
+_SEARCH_BINS = 32
 _FIELD_BITS: tl.constexpr = tl.constexpr(21)  # one probe's count in the packed sum
 _FIELD_MASK: tl.constexpr = tl.constexpr((1 << 21) - 1)
 MAX_HOT_SLOTS = 1 << 21
@@ -124,13 +126,13 @@ def _lease_rows(lease, STAMP64: tl.constexpr, MAP16: tl.constexpr):
 
 @triton.jit
 def _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK: tl.constexpr):
-    """Slots r0..r0+R_BLOCK: their positions, their LRU key (-1 when empty, else last use) and whether they
-    may be victims (not used this step)."""
+    """Slots r0..r0+R_BLOCK: their indices, their LRU key (-1 when empty, else last use) and whether they may
+    be victims (not used this step)."""
     offs_r = r0 + tl.arange(0, R_BLOCK)
     rmask = offs_r < R
     held = tl.load(held_row + offs_r, mask=rmask, other=-1)
     key = tl.where(held < 0, -1, tl.load(stamp_row + offs_r, mask=rmask, other=0))
-    return offs_r, held, key, rmask & (key < step)
+    return offs_r, key, rmask & (key < step)
 
 
 @triton.jit
@@ -145,32 +147,29 @@ def _bounds(key, cand, step):
 
 
 @triton.jit
-def _probe(lo, hi, gallop, w: tl.constexpr, WAYS: tl.constexpr):
-    """Threshold w of a search round, in [lo, hi): lo + 4**w - 1 in the first round (`gallop`), else the w-th of
-    WAYS even splits."""
-    even = lo + ((hi - lo).to(tl.int64) * (w + 1) // (WAYS + 1)).to(lo.dtype)
-    near = lo + tl.minimum(hi - 1 - lo, (1 << (2 * w)) - 1)
-    return tl.where(gallop, near, even)
+def _probe(lo, hi, w: tl.constexpr, WAYS: tl.constexpr):
+    """Threshold w of a search round in [lo, hi): the w-th of WAYS even splits."""
+    return lo + ((hi - lo).to(tl.int64) * (w + 1) // (WAYS + 1)).to(lo.dtype)
 
 
 @triton.jit
-def _count_at_or_below(key, cand, lo, hi, gallop, WAYS: tl.constexpr):
+def _count_at_or_below(key, cand, lo, hi, WAYS: tl.constexpr):
     """Candidates with key <= each of the round's WAYS probes, in one sum: probe w's count in bits
     [FIELD * w, FIELD * (w + 1)) of an int64."""
     packed = tl.zeros(key.shape, tl.int64)
     for w in tl.static_range(WAYS):
-        at_or_below = cand & (key <= _probe(lo, hi, gallop, w, WAYS))
+        at_or_below = cand & (key <= _probe(lo, hi, w, WAYS))
         packed += at_or_below.to(tl.int64) << (_FIELD_BITS * w)
     return tl.sum(packed, 0)
 
 
 @triton.jit
-def _narrow(lo, hi, below, gallop, counts, num_miss, WAYS: tl.constexpr):
+def _narrow(lo, hi, below, counts, num_miss, WAYS: tl.constexpr):
     """The range after one round: above the highest probe with fewer than `num_miss` candidates at or below it,
     up to the lowest probe with enough; and `below`, the candidates under the new lo (that probe's count)."""
     new_lo, new_hi, new_below = lo, hi, below
     for w in tl.static_range(WAYS):
-        probe = _probe(lo, hi, gallop, w, WAYS)
+        probe = _probe(lo, hi, w, WAYS)
         count = ((counts >> (_FIELD_BITS * w)) & _FIELD_MASK).to(tl.int32)
         enough = count >= num_miss
         new_lo = tl.where(enough, new_lo, tl.maximum(new_lo, probe + 1))
@@ -180,11 +179,34 @@ def _narrow(lo, hi, below, gallop, counts, num_miss, WAYS: tl.constexpr):
 
 
 @triton.jit
-def _pick_victims(key, cand, offs_r, held, hot, lo, at_quota, num_below, num_at, num_served, victims,
-                  victims_old, victims_hot):
+def _key_bins(key, cand, lo, BINS: tl.constexpr):
+    """Each slot's bin for the first round: key - lo for a candidate up to BINS - 3, BINS - 2 for the candidates
+    above, BINS - 1 for the slots that are not candidates."""
+    return tl.where(cand, tl.minimum(key - lo, BINS - 2), BINS - 1).to(tl.int32)
+
+
+@triton.jit
+def _first_round(hist, lo, num_miss, BINS: tl.constexpr):
+    """The first round from the bins' counts: the threshold lo + t of the first exact bin whose running count
+    reaches `num_miss`, or lo + BINS - 2 (the search goes on) when none does; the candidates under it; the
+    candidates; and whether the threshold is final. The three sums share one int64."""
+    bins = tl.arange(0, BINS)
+    short = (bins < BINS - 2) & (tl.cumsum(hist, 0) < num_miss)  # a prefix of the exact bins
+    counts = hist.to(tl.int64)
+    packed = (tl.where(short, counts, 0) + (short.to(tl.int64) << _FIELD_BITS)
+              + (tl.where(bins < BINS - 1, counts, 0) << (2 * _FIELD_BITS)))
+    sums = tl.sum(packed, 0)
+    below = (sums & _FIELD_MASK).to(tl.int32)
+    t = ((sums >> _FIELD_BITS) & _FIELD_MASK).to(tl.int32)
+    num_cand = ((sums >> (2 * _FIELD_BITS)) & _FIELD_MASK).to(tl.int32)
+    return lo + t, below, num_cand, t < BINS - 2
+
+
+@triton.jit
+def _pick_victims(key, cand, offs_r, lo, at_quota, num_below, num_at, num_served, victims):
     """Writes the run's victims (keys below the threshold `lo`, and keys equal to it by slot index while at most
-    `at_quota` of those are taken; `num_below` and `num_at` of each in earlier runs): each victim's slot, the
-    position it held and its physical hot slot, so the misses read all three in one round; returns the updated
+    `at_quota` of those are taken; `num_below` and `num_at` of each in earlier runs) by rank: only their slots,
+    a store a slot of the run; the misses gather what the victims held and their hot slots. Returns the updated
     counts."""
     below = cand & (key < lo)
     at = cand & (key == lo)
@@ -196,8 +218,6 @@ def _pick_victims(key, cand, offs_r, held, hot, lo, at_quota, num_below, num_at,
     victim_rank = num_below + (scan & 0xFFFF) + tl.minimum(at_upto, at_quota) - 1
     take = victim & (victim_rank < num_served)
     tl.store(victims + victim_rank, offs_r, mask=take)
-    tl.store(victims_old + victim_rank, held, mask=take)
-    tl.store(victims_hot + victim_rank, hot, mask=take)
     last = tl.max(scan, 0)  # the scan only grows
     return num_below + (last & 0xFFFF), num_at + (last >> 16)
 
@@ -205,9 +225,9 @@ def _pick_victims(key, cand, offs_r, held, hot, lo, at_quota, num_below, num_at,
 @triton.jit(do_not_specialize=["K", "max_pages"], do_not_specialize_on_alignment=["topk_ptr", "counts_ptr"])
 def _plan_kernel(
     topk_ptr, counts_ptr, gpu_page_ptr, host_page_ptr, lease_ptr, step_ptr,
-    kv_ptr, num_copied_ptr, victim_ptr, victim_old_ptr, copy_src_ptr, copy_dst_ptr,
+    kv_ptr, num_copied_ptr, victim_ptr, copy_src_ptr, copy_dst_ptr,
     K, max_pages,
-    PAGE: tl.constexpr, K_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, WAYS: tl.constexpr, GALLOP: tl.constexpr,
+    PAGE: tl.constexpr, K_BLOCK: tl.constexpr, R_BLOCK: tl.constexpr, WAYS: tl.constexpr, BINS: tl.constexpr,
     STAMP64: tl.constexpr, MAP16: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl.begin(PDL)
@@ -242,60 +262,66 @@ def _plan_kernel(
         miss_rank = tl.cumsum(miss.to(tl.int32), 0) - 1  # victims go to misses in top-K order
         host_page = tl.load(host_page_ptr + b * max_pages + page, mask=miss, other=0)
         victims = victim_ptr + b * K
-        victims_old = victim_old_ptr + b * K
-        victims_hot = copy_dst_ptr + b * K  # the m-th victim's hot slot is the m-th miss's copy destination
         tl.static_assert(WAYS * _FIELD_BITS <= 63 and R_BLOCK < 65536)
         if R <= R_BLOCK:
             offs_r = tl.arange(0, R_BLOCK)
-            held = tl.load(held_row + offs_r, mask=offs_r < R, other=-1)  # on their way across the barrier
-            hot = tl.load(hot_row + offs_r, mask=offs_r < R, other=-1)
+            held = tl.load(held_row + offs_r, mask=offs_r < R, other=-1)  # on its way across the barrier
             tl.debug_barrier()  # hit stamps are visible: hit slots are not candidates
             key = tl.where(held < 0, -1, tl.load(stamp_row + offs_r, mask=offs_r < R, other=0))
             cand = (offs_r < R) & (key < step)
-            num_cand, lo, hi = _bounds(key, cand, step)
+            if BINS > 0:
+                lo = tl.min(tl.where(cand, key, step), 0)
+                hist = tl.histogram(_key_bins(key, cand, lo, BINS), BINS)
+                lo, below, num_cand, settled = _first_round(hist, lo, num_miss, BINS)  # below: candidates < lo
+                hi = lo
+                if settled == 0:
+                    hi = tl.max(tl.where(cand, key, -2), 0)
+            else:
+                num_cand, lo, hi = _bounds(key, cand, step)
+                below = num_miss * 0
             num_served = tl.minimum(num_miss, num_cand)
-            below = num_miss * 0  # candidates with key < lo
-            gallop = num_miss * 0 + GALLOP  # a tensor: it changes inside the loop
             while lo < hi:  # smallest threshold with num_miss candidates at or below it, WAYS probes a round
-                counts = _count_at_or_below(key, cand, lo, hi, gallop != 0, WAYS)
-                lo, hi, below = _narrow(lo, hi, below, gallop != 0, counts, num_miss, WAYS)
-                gallop = gallop * 0
-            _pick_victims(key, cand, offs_r, held, hot, lo, num_miss - below, num_miss * 0, num_miss * 0,
-                          num_served, victims, victims_old, victims_hot)
+                counts = _count_at_or_below(key, cand, lo, hi, WAYS)
+                lo, hi, below = _narrow(lo, hi, below, counts, num_miss, WAYS)
+            _pick_victims(key, cand, offs_r, lo, num_miss - below, num_miss * 0, num_miss * 0, num_served, victims)
         else:
             tl.debug_barrier()
             num_cand = num_miss * 0
             lo = step
             hi = step * 0 - 2
             for r0 in range(0, R, R_BLOCK):
-                offs_r, held, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+                offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
                 n, chunk_lo, chunk_hi = _bounds(key, cand, step)
                 num_cand += n
                 lo = tl.minimum(lo, chunk_lo)
                 hi = tl.maximum(hi, chunk_hi)
             num_served = tl.minimum(num_miss, num_cand)
             below = num_miss * 0
-            gallop = num_miss * 0 + GALLOP
+            if BINS > 0:
+                hist = tl.zeros([BINS], tl.int32)
+                for r0 in range(0, R, R_BLOCK):
+                    offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+                    hist += tl.histogram(_key_bins(key, cand, lo, BINS), BINS)
+                lo, below, _, settled = _first_round(hist, lo, num_miss, BINS)
+                hi = tl.where(settled, lo, hi)
             while lo < hi:
                 counts = (lo * 0).to(tl.int64)
                 for r0 in range(0, R, R_BLOCK):
-                    offs_r, held, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
-                    counts += _count_at_or_below(key, cand, lo, hi, gallop != 0, WAYS)
-                lo, hi, below = _narrow(lo, hi, below, gallop != 0, counts, num_miss, WAYS)
-                gallop = gallop * 0
+                    offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+                    counts += _count_at_or_below(key, cand, lo, hi, WAYS)
+                lo, hi, below = _narrow(lo, hi, below, counts, num_miss, WAYS)
             at_quota = num_miss - below  # slots stamped exactly `lo` that become victims, lowest index first
             num_below = num_miss * 0
             num_at = num_miss * 0
             for r0 in range(0, R, R_BLOCK):
-                offs_r, held, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
-                hot = tl.load(hot_row + offs_r, mask=offs_r < R, other=-1)
-                num_below, num_at = _pick_victims(key, cand, offs_r, held, hot, lo, at_quota, num_below, num_at,
-                                                  num_served, victims, victims_old, victims_hot)
+                offs_r, key, cand = _slot_keys(held_row, stamp_row, r0, R, step, R_BLOCK)
+                num_below, num_at = _pick_victims(key, cand, offs_r, lo, at_quota, num_below, num_at, num_served,
+                                                  victims)
         tl.debug_barrier()
         served = miss & (miss_rank < num_served)
         v = tl.load(victims + miss_rank, mask=served, other=0)
-        old = tl.load(victims_old + miss_rank, mask=served, other=-1)
-        v_hot = tl.load(victims_hot + miss_rank, mask=served, other=-1)
+        old = tl.load(held_row + v, mask=served, other=-1)
+        v_hot = tl.load(hot_row + v, mask=served, other=-1)
         # `old` is never a position of this row's top-K (a held selected position is a hit, its slot stamped
         # this step, so not a victim): clearing it and mapping the misses touch different entries
         tl.store(map_row + old, -1, mask=served & (old >= 0))
@@ -303,6 +329,7 @@ def _plan_kernel(
         tl.store(held_row + v, pos, mask=served)
         tl.store(stamp_row + v, step, mask=served)
         tl.store(copy_src_ptr + b * K + miss_rank, host_page * PAGE + tok, mask=served)
+        tl.store(copy_dst_ptr + b * K + miss_rank, v_hot, mask=served)
 
     kv = tl.where(resident, gpage * PAGE + tok, tl.where(hit, hot_hit, tl.where(served, v_hot, -1)))
     tl.store(kv_ptr + b * K + offs_k, kv, mask=offs_k < K)
@@ -435,16 +462,16 @@ def _launch_plan(topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_ta
             or kv_slots.device != dev):
         raise ValueError("out must be a contiguous [B, K] int32 tensor on the pool's device")
     num_copied = torch.empty(b, dtype=torch.int32, device=dev)
-    work = torch.empty((4, b, k), dtype=torch.int32, device=dev)
+    work = torch.empty((3, b, k), dtype=torch.int32, device=dev)
     _plan_kernel[(b,)](
         topk_pos, counts, gpu_slot_of_page, host_page_of_page, lease_table, _step_tensor(step, stamp_dtype, dev),
-        kv_slots, num_copied, work[0], work[1], work[2], work[3],
+        kv_slots, num_copied, work[0], work[1], work[2],
         k, gpu_slot_of_page.shape[1],
-        PAGE=page_size, K_BLOCK=triton.next_power_of_2(k), R_BLOCK=_R_BLOCK, WAYS=_SEARCH_WAYS, GALLOP=_SEARCH_GALLOP,
+        PAGE=page_size, K_BLOCK=triton.next_power_of_2(k), R_BLOCK=_R_BLOCK, WAYS=_SEARCH_WAYS, BINS=_SEARCH_BINS,
         STAMP64=stamp_dtype == torch.int64, MAP16=map_dtype == torch.int16, num_warps=num_warps,
         **pdl.launch_options(topk_pos.device)
     )
-    return ResolvePlan(kv_slots, num_copied, work[2], work[3])
+    return ResolvePlan(kv_slots, num_copied, work[1], work[2])
 
 
 def plan_group(topk_pos, counts, gpu_slot_of_page, host_page_of_page, hot_slots, slot_pos, slot_stamp,

@@ -115,4 +115,5 @@ SMALL_CASES = [
     (4, [384, 300, 200], 16, 20, 1 << 40, torch.int64, torch.int16),  # wide stamp range: many search rounds
     (5, [384, 384], 32, 48, 2_000_000_000, torch.int32, torch.int32),
     (6, [300, 384, 200], 16, 24, 3, torch.int32, torch.int16),  # three stamps: victims below the threshold and at it
+    (7, [384, 384, 300], 32, 64, 70, torch.int32, torch.int16),  # a stamp a slot: thresholds either side of 30 above
 ]

@@ -23,14 +23,14 @@ from tests.resolve_cases import (  # noqa: E402
 
 @pytest.mark.parametrize("seed,ctx,k,num_hot,step,stamp_dtype,map_dtype", SMALL_CASES)
 @pytest.mark.parametrize("r_block,b_block", [(1024, 64), (8, 2)])  # one chunk; many chunks of slots and requests
-# the victim search's probe rules: probes a round, first round near the oldest stamp
-@pytest.mark.parametrize("ways,gallop", [(1, True), (1, False), (2, False), (3, True)])
-def test_resolve_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtype, r_block, b_block, ways, gallop,
+# the victim search's forms: probes a round, first round a histogram of that many bins (0: none)
+@pytest.mark.parametrize("ways,bins", [(3, 32), (1, 32), (1, 0), (2, 0)])
+def test_resolve_matches_twin(seed, ctx, k, num_hot, step, stamp_dtype, map_dtype, r_block, b_block, ways, bins,
                               monkeypatch):
     monkeypatch.setattr(resolve, "_R_BLOCK", r_block)
     monkeypatch.setattr(resolve, "_B_BLOCK", b_block)
     monkeypatch.setattr(resolve, "_SEARCH_WAYS", ways)
-    monkeypatch.setattr(resolve, "_SEARCH_GALLOP", gallop)
+    monkeypatch.setattr(resolve, "_SEARCH_BINS", bins)
     rng = random.Random(seed)
     case = make_case(rng, ctx, num_hot, 384, step=step, stamp_dtype=stamp_dtype, map_dtype=map_dtype)
     topk, counts, _ = make_topk(rng, ctx, k)

@@ -2,9 +2,10 @@
 IndexShare group of the FP8 layout): three decode steps with overlapping selections and a replay inside a CUDA
 graph equal the PyTorch twin byte for byte (slots, copy counts, LRU tables, the pool), and every selected
 host-only row reads its host bytes (`bench/gpu_check_residency.check_resolve`), for each form of the victim
-search (probes a round; first round near the smallest key). The interpreter tests' small cases (a hot buffer no
-larger than the top-K, or smaller than the caller promised; stamps 2^40 apart; three stamps) and hot buffers
-larger than one chunk of the plan's slots, over three steps each, equal the twin on the GPU too."""
+search (probes a round; a first round of histogram bins above the smallest key, or none). The interpreter tests'
+small cases (a hot buffer no larger than the top-K, or smaller than the caller promised; stamps 2^40 apart; three
+stamps; a stamp a slot) and hot buffers larger than one chunk of the plan's slots, over three steps each, equal the
+twin on the GPU too."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ from kernels import resolve
 from tests.resolve_cases import PAGE, SMALL_CASES, make_case, make_topk, run_resolve
 
 
-@pytest.mark.parametrize("ways,gallop", [(1, False), (1, True), (2, True), (3, True)])
-def test_resolve_matches_twin_at_glm_shapes(ways: int, gallop: bool, monkeypatch) -> None:
+@pytest.mark.parametrize("ways,bins", [(1, 0), (3, 0), (1, 32), (3, 32), (3, 64)])
+def test_resolve_matches_twin_at_glm_shapes(ways: int, bins: int, monkeypatch) -> None:
     monkeypatch.setattr(resolve, "_SEARCH_WAYS", ways)
-    monkeypatch.setattr(resolve, "_SEARCH_GALLOP", gallop)
+    monkeypatch.setattr(resolve, "_SEARCH_BINS", bins)
     monkeypatch.setattr(checks, "FAILED", [])
     checks.check_resolve(glm53_layout(), torch.device("cuda"), [1, 40, 2047, 2048, 2049, 5000, 30000, 70001], 2048,
                          4096, 70016)
