@@ -20,8 +20,9 @@ step that calls them can be captured in a CUDA graph:
    gathering the reverse map `pos_to_hot`, pick victims with a threshold search
    on the per-slot stamps (a first round that bins the stamps just above the
    oldest one, then, when the threshold lies beyond them, a few probes a round,
-   their counts in one packed sum) plus one prefix-sum compaction, update the LRU state in place and write a compacted list of
-   (host slot, hot slot) copies;
+   their counts in one packed sum) plus one prefix-sum compaction, update the
+   LRU state in place and write a compacted list of (host slot, hot slot)
+   copies;
 2. copy (a persistent grid over every miss of the batch): each program maps
    global miss numbers to (request, miss) with a prefix sum over the per-request
    counts and moves whole runs, reading the pinned host tensor directly (UVA).
@@ -46,7 +47,7 @@ for the group's shared layers). They and `resolve_leases` are the Triton path
 (CUDA, or CPU under TRITON_INTERPRET=1); `resolve_group_reference` and
 `resolve_leases_reference` are the plain PyTorch twins with the same signatures
 and the same effects, byte for byte. H200 numbers: bench/RESULTS.md (plan at
-B=100 in a CUDA graph 6.6 us without misses, 14.1 us at 1 %; miss copy 85-100%
+B=100 in a CUDA graph 6.6 us without misses, 13.0 us at 1 %; miss copy 85-100%
 of the UVA gather ceiling from about 1.7 MB per launch).
 """
 
@@ -73,7 +74,10 @@ _SEARCH_WAYS = 3
 # ballot a bit of the bin and a popcount a bin, no block reduction a probe): a step's victims are the oldest few
 # slots, so the threshold nearly always lies within BINS - 2 of the smallest key (empty slots are all -1; a lease's
 # first fill stamps thousands of slots alike) and the search ends there; past it, rounds of even splits go on.
-# 0: every round even splits from the candidates' bounds.
+# 0: every round even splits from the candidates' bounds. H200, B = 100, CUDA graph, 1 % misses: 13.0 us against 15.3
+# without bins and 14.4 for the former first round of probes near the smallest key; 64 bins 13.4 (at 5 % misses
+# 13.5 against 32 bins' 16.6: the bench's stamps, four slots a value, put those thresholds past 30 bins) (bench/
+# RESULTS.md, 2026-12-04, thirtieth session).
 _SEARCH_BINS = 32
 _FIELD_BITS: tl.constexpr = tl.constexpr(21)  # one probe's count in the packed sum
 _FIELD_MASK: tl.constexpr = tl.constexpr((1 << 21) - 1)
