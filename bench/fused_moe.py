@@ -10,8 +10,9 @@ replaying fused_moe over 16 routings and 4 layers' weights in turn (so repeats
 are not served from L2), bytes / time in GB/s and its share of the HBM copy
 bandwidth measured in the same run (device-to-device copy, bytes read plus
 written); the eager time of one call (triton.testing.do_bench, L2 flushed), the
-time of moe_align alone (graph), the default tiles with their blocks from the alignment launch instead of
-gate/up's slot-led programs (`aligned blocks`, timed interleaved with the default), and the engine's former loop over
+time of moe_align alone (graph), the default tiles with their blocks from the
+alignment launch instead of gate/up's slot-led programs (`aligned blocks`,
+timed interleaved with the default), and the engine's former loop over
 `ids.unique().tolist()` (per-expert F.linear SwiGLU and index_add_; for fp8
 weights per-expert `fp8_block_linear`), eager, for comparison.
 `FusedMoEConfig.for_problem` gives the default tiles; with `--sweep` other tile

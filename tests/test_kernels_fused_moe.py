@@ -17,7 +17,6 @@ there). The GPU run at GLM-5.3 shapes is tests/gpu/test_fused_moe_gpu.py.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import zlib
 

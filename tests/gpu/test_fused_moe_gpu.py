@@ -22,6 +22,7 @@ Runs in well under a minute on an H200 (weights: 2.4 GB bf16, 1.2 GB fp8).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -184,8 +185,6 @@ def test_slot_led_blocks_equal_the_alignment(moe, experts, t):
     the aligned launches' bits, with the shared expert folded in (E = 257, k = 9: at T = 32 the shared expert's
     slots fill two blocks), skewed routing (16 slots on each hot expert), a foreign id; and again from a CUDA graph
     replayed with new routings (the listed-block count is re-armed by every call)."""
-    import dataclasses
-
     w = experts["fp8"]
     extra = dict(w13=torch.cat([w["w13"], w["w13"][:1]]), w2=torch.cat([w["w2"], w["w2"][:1]]),
                  w13_scale_inv=torch.cat([w["w13_scale_inv"], w["w13_scale_inv"][:1]]),
