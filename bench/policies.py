@@ -229,8 +229,10 @@ def interleaved(policies: tuple[str, str], repeats: int) -> list[str]:
 
 
 def print_no_pressure(runs: list[dict]) -> None:
-    """Each run's TPOT and the ratio of the policies' medians: one run per policy is within the
-    machine's run-to-run spread (about 10 %), a median of interleaved runs is not."""
+    """Each run's TPOT, the ratio of the policies' medians and the median of the pairs' ratios: one run
+    per policy is within the machine's run-to-run spread (10-40 % on a shared host, which can change
+    state within a check), a median of interleaved runs less so, and a pair's two runs, back to back,
+    share the host's state, so the median of their ratios cancels a change between pairs."""
     print(f"\nno pressure (8x pool), {'policy':<8} {'TPOT50 ms per run':<30} {'median':>7} {'tok/s median':>12}")
     medians = {}
     for policy in dict.fromkeys(r["policy"] for r in runs):
@@ -241,6 +243,13 @@ def print_no_pressure(runs: list[dict]) -> None:
               f"{statistics.median(r['out_tok_s'] for r in mine):>12.1f}")
     if {"hybrid", "off"} <= medians.keys():
         print(f"TPOT p50 hybrid / off (medians): {medians['hybrid'] / medians['off']:.3f}")
+        pairs = [runs[i : i + 2] for i in range(0, len(runs) - 1, 2)]
+        ratios = [next(r["tpot_p50_ms"] for r in pair if r["policy"] == "hybrid")
+                  / next(r["tpot_p50_ms"] for r in pair if r["policy"] == "off")
+                  for pair in pairs if {r["policy"] for r in pair} == {"hybrid", "off"}]
+        if ratios:
+            print(f"TPOT p50 hybrid / off per pair: {' '.join(f'{x:.3f}' for x in ratios)} "
+                  f"(median {statistics.median(ratios):.3f})")
 
 
 def main() -> int:
