@@ -1,0 +1,1 @@
+export TRITON_DEFAULT_FP_FUSION=1; mkdir -p $OUT/np; timeout 320 python3 bench/policies.py --scale 0.0625 --turns 13 --trace model --policies --no-pressure-check --no-pressure-repeats 16 > $OUT/np/no-pressure-16.txt 2>&1; echo rc $?
