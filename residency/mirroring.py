@@ -33,9 +33,14 @@ class _PendingMirror:
 
 
 def align(req: PagedRequest) -> None:
-    """Keeps the host tables as long as the GPU tables."""
-    req.host_pages += [None] * (len(req.mla_pages) - len(req.host_pages))
-    req.host_indexer_pages += [None] * (len(req.indexer_pages) - len(req.host_indexer_pages))
+    """Keeps the host tables as long as the GPU tables (called for every running request at every step, so
+    it builds no list when they already are)."""
+    missing = len(req.mla_pages) - len(req.host_pages)
+    if missing > 0:
+        req.host_pages += [None] * missing
+    missing = len(req.indexer_pages) - len(req.host_indexer_pages)
+    if missing > 0:
+        req.host_indexer_pages += [None] * missing
 
 
 def set_host(req: PagedRequest, use: PageUse, index: int, host_page: int) -> None:
@@ -73,11 +78,13 @@ class Mirroring:
         whole: list[tuple[int, int]] = []
         for req, first, end in steps:
             align(req)
-            start = first // PAGE_SIZE
-            if start and (req.request_id, start - 1) in self._unhashed:
+            start, stop = first // PAGE_SIZE, end // PAGE_SIZE
+            if start and self._unhashed and (req.request_id, start - 1) in self._unhashed:
                 start -= 1  # completed before its hash was known (its last token was pending): publish now
+            if start >= stop:
+                continue  # the rows complete no page (a decode step's, 63 steps in 64)
             completing: list[tuple[PageUse, int, int, bytes]] = []
-            for i in range(start, end // PAGE_SIZE):
+            for i in range(start, stop):
                 gpu_page = req.mla_pages[i]
                 if gpu_page is None or req.host_pages[i] is not None or (id(req), PageUse.MLA, i) in in_flight:
                     continue
@@ -128,26 +135,33 @@ class Mirroring:
             if entries:
                 self._pending.append(_PendingMirror(req, entries, None))
 
-    def _mirror_candidates(self, req: PagedRequest):  # noqa: ANN202 - iterator of tuples
+    def _mirror_candidates(self, req: PagedRequest) -> list[tuple[PageUse, int, int, bytes]]:
+        """(use, index, GPU page, hash) of the completed pages of `req` that have no host copy and none in
+        flight past the start that all have one; empty at once when that start covers every completed
+        page (a running request's state between the steps that complete its pages)."""
         completed = min(req.num_computed_tokens // PAGE_SIZE, len(req.page_hashes))
         completed_idx = req.num_computed_tokens // self.indexer_tokens_per_page
         mla_from, idx_from = self._mirrored_prefix.get(req.request_id, (0, 0))
+        if mla_from >= completed and idx_from >= completed_idx:
+            return []
         while mla_from < completed and req.host_pages[mla_from] is not None:
             mla_from += 1
         while idx_from < completed_idx and req.host_indexer_pages[idx_from] is not None:
             idx_from += 1
         self._mirrored_prefix[req.request_id] = (mla_from, idx_from)
+        candidates: list[tuple[PageUse, int, int, bytes]] = []
         for i in range(mla_from, completed):
             # Rows counted as computed are written by steps already launched (a continued speculative step
             # counts the row of its last known token before it is read), and a copy issued now runs after
             # them: a page complete by the count is copied whole here even before `mirror_step` sees it.
             if (req.host_pages[i] is None and req.mla_pages[i] is not None
                     and (req.request_id, i) not in self._unhashed):
-                yield PageUse.MLA, i, req.mla_pages[i], req.page_hashes[i]
+                candidates.append((PageUse.MLA, i, req.mla_pages[i], req.page_hashes[i]))
         per_idx = self.indexer_tokens_per_page // PAGE_SIZE
         for j in range(idx_from, completed_idx):
             if req.host_indexer_pages[j] is None and (j + 1) * per_idx <= len(req.page_hashes):
-                yield PageUse.INDEXER, j, req.indexer_pages[j], req.page_hashes[(j + 1) * per_idx - 1]
+                candidates.append((PageUse.INDEXER, j, req.indexer_pages[j], req.page_hashes[(j + 1) * per_idx - 1]))
+        return candidates
 
     @property
     def backlog(self) -> int:

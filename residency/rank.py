@@ -71,6 +71,7 @@ class RankResidency:
         # place (by captured graphs too), read once per step
         self._tally = torch.zeros(TALLY_SIZE, dtype=torch.long, device=pool.device)
         self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
+        self._mirrors_unordered = False  # mirrors issued since the compute stream last waited for the side stream
         self._loaded: torch.cuda.Event | None = None  # marks the last load's copies done
 
     def warm_up(self, topk: int) -> None:
@@ -116,14 +117,18 @@ class RankResidency:
 
     def mirror(self, gpu_ids: Sequence[int], host_ids: Sequence[int]) -> torch.cuda.Event | None:
         """Copies whole GPU pages to host pages on a side stream; the event marks completion (None: done)."""
+        self._mirrors_unordered = True
         return page_mirror.mirror_pages(self.pool, self.host, list(gpu_ids), list(host_ids), self._stream)
 
     def order_after_mirrors(self) -> None:
         """Makes the compute stream wait (on the GPU, the host does not block) for every mirror issued so
         far: a page freed after its copy was queued may be reused by the next forward, and a host copy
-        may be read (load, resolve) only once written."""
-        if self._stream is not None:
+        may be read (load, resolve) only once written. Only mirrors use the side stream, so when none was
+        issued since the last wait there is nothing new to wait for (most decode steps: a page completes
+        every 64 tokens) and the step is spared the event."""
+        if self._stream is not None and self._mirrors_unordered:
             torch.cuda.current_stream(self.pool.device).wait_stream(self._stream)
+            self._mirrors_unordered = False
 
     def load(self, host_ids: Sequence[int], gpu_ids: Sequence[int]) -> torch.cuda.Event | None:
         """Copies whole host pages into GPU pages, in order with this rank's forward steps; returns the

@@ -186,13 +186,14 @@ class Worker:
         else:  # a speculative step's inputs the host has not read come from its results (SpecGraphs._continue)
             n = int(tokens.shape[0])
         staging.tokens[:n].copy_(tokens[:n], non_blocking=True)
-        if self.residency is not None:
+        resolves = self.residency is not None and bool(step.nonresident)  # only these rows add to the tally
+        if resolves:
             self.residency.counts_into(staging.counts)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return LaunchedStep(staging, n, self.residency is not None, event)
+        return LaunchedStep(staging, n, resolves, event)
 
     def _eager(self, step: StepInput) -> torch.Tensor:
         batch = ForwardBatch.from_step(step, self.layout, self.device, self.residency)
