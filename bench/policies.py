@@ -8,7 +8,10 @@ turns 753, 220 output tokens), every length scaled by `--scale`, with the GPU
 page pool (GLM-5.3 on 8x H200: 9,269 pages of 64 tokens) and host pool (384 GiB)
 scaled by the same factor so memory pressure matches; `index_topk` is scaled too
 so context / top-K stays GLM's. Conversations run closed-loop: a turn starts
-when the previous one finishes.
+when the previous one finishes. The check without pressure (`--no-pressure-check`,
+`hybrid` against `off` on an 8x pool) keeps GLM's 220 output tokens a turn at any
+scale: it compares decode TPOT, and scaled outputs would make nearly every step
+carry a new turn's prefill rows.
 
 Top-K source: the model's own indexer (`--trace model`), or a synthetic decode
 trace (`--trace synthetic`, `bench/topk_trace.py`) whose reuse distances reproduce published
