@@ -277,7 +277,7 @@ def main() -> int:
     parser.add_argument("--no-pressure-repeats", type=int, default=3,
                         help="runs of each policy in the no-pressure check, interleaved off/hybrid/hybrid/off...")
     parser.add_argument("--no-pressure-output", type=int, default=OUTPUT,
-                        help="output tokens a turn in the no-pressure check (default GLM's 220, unscaled: see below)")
+                        help="output tokens a turn in the no-pressure check (default GLM's 220 at any scale)")
     parser.add_argument("--small", action="store_true", help="tiny-model shapes (CPU smoke run)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

@@ -210,8 +210,12 @@ PAIR_CONFIGS = [
 ]
 
 
+def _pair_id(v: object) -> str:
+    return str(v) if isinstance(v, int) else "gemv" if v.gemv else f"m{v.block_m}s{v.split_k}"
+
+
 @pytest.mark.parametrize("cfg,m", [(cfg, m) for cfg in PAIR_CONFIGS for m in (1, 5, 40) if not (cfg.gemv and m > 5)],
-                         ids=lambda v: str(v) if isinstance(v, int) else "gemv" if v.gemv else f"m{v.block_m}s{v.split_k}")
+                         ids=_pair_id)
 def test_linear_pair_is_both_linears_side_by_side(cfg, m):
     """Two weights of one K in one launch (N1 = 200: a partial 128-row scale block and, at 64-row tiles, a
     partial tile; N2 = 136): each column equals its own linear's with the same tiles, bit for bit, and the
