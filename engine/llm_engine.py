@@ -524,12 +524,12 @@ class LLMEngine:
         return output
 
     def _stop_reason(self, req: Request, state: _TextState) -> FinishReason | None:
+        """The text ends before the earliest stop string in it, whichever the list names first."""
         p = req.params
-        for stop in p.stop:
-            at = state.text.find(stop, max(0, state.emitted - len(stop)))
-            if at >= 0:
-                state.text, state.stop_hit = state.text[:at], True
-                return FinishReason.STOP
+        found = [at for stop in p.stop if (at := state.text.find(stop, max(0, state.emitted - len(stop)))) >= 0]
+        if found:
+            state.text, state.stop_hit = state.text[: min(found)], True
+            return FinishReason.STOP
         if len(req.output_token_ids) >= p.max_tokens or req.num_known_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None

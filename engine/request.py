@@ -16,6 +16,9 @@ from residency.hot_buffer import HotLease
 # Temperatures below this sample greedily: the distribution is one-hot to float32 precision there, and
 # dividing by a subnormal temperature overflows (vLLM uses the same bound).
 MIN_TEMPERATURE = 1e-5
+# The largest top_k or token id a request may name: the sampler packs them into int64 tensors (a top_k past the
+# vocabulary means no cut, so no real bound is lost).
+MAX_TOKEN_ID = 2**31 - 1
 # Stands for a token a running step has sampled and the host has not read yet (asynchronous scheduling).
 PENDING = -1
 
@@ -44,14 +47,15 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be a non-negative integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOKEN_ID:
+            raise InvalidRequestError(f"top_k must be an integer in [0, {MAX_TOKEN_ID}], got {self.top_k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if any(not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID}], got "
+                                      f"{self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:

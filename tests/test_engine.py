@@ -132,6 +132,28 @@ def test_stop_conditions(tiny_dir: Path) -> None:
     assert free_run.text.startswith(id_run.text) and len(id_run.text) < len(free_run.text)
 
 
+def test_the_earliest_stop_string_ends_the_text_whatever_the_order(tiny_dir: Path) -> None:
+    """Two stop strings completed by the same token: the text ends before the one that starts first, whichever
+    the list names first."""
+    engine = make_engine(tiny_dir)
+    prompt = _prompt(40, 3)
+    params = dict(max_tokens=40, temperature=1.0, seed=7, ignore_eos=True)
+    [free_run] = engine.generate([prompt], [SamplingParams(**params)])
+    text = free_run.text
+    ends = [len(engine.tokenizer.decode(free_run.token_ids[:n])) for n in range(len(free_run.token_ids) + 1)]
+    # a token adding at least two characters: `early` straddles its first one, `late` is what it adds
+    early = late = ""
+    for a, b in zip(ends, ends[1:]):
+        if a > 0 and b - a >= 2 and text.find(text[a - 1 : a + 1]) == a - 1 and text.find(text[a:b]) == a:
+            early, late = text[a - 1 : a + 1], text[a:b]
+            break
+    assert early, "no token of the free run adds two characters"
+    for stop in ((late, early), (early, late)):
+        [stopped] = engine.generate([prompt], [SamplingParams(**params, stop=stop)])
+        assert stopped.finish_reason == "stop"
+        assert stopped.text == text[: text.index(early)]
+
+
 def test_max_model_len_stops_generation(tiny_dir: Path) -> None:
     engine = make_engine(tiny_dir, max_model_len=50)
     [out] = engine.generate([_prompt(45, 2)], [greedy(100)])
@@ -185,8 +207,10 @@ def test_invalid_requests_are_refused_clearly(tiny_dir: Path, prompt: list[int],
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=-2), "top_k"),
+        (dict(top_k=2**63), "top_k"),  # past int64: the sampler's tensor would fail inside a step
         (dict(max_tokens=0), "max_tokens"),
         (dict(stop=("",)), "stop"),
+        (dict(stop_token_ids=(2**63,)), "stop_token_ids"),
     ],
 )
 def test_invalid_sampling_values(kwargs: dict, message: str) -> None:
