@@ -3,9 +3,10 @@
 Built on each ingress replica by `OpenAIIngress.__serve_build_asgi_app__`. Routes
 under `/v1` and the tokenizer routes require the API key when one is configured
 (`Authorization: Bearer KEY`, compared by its SHA-256 digest); `/health` never
-does. Bodies are size-limited before they are read (`app.body_limit`) and parsed
-and validated in a worker thread, so a large body does not hold the event loop
-that streams everyone else's tokens. There is no `/docs` and no `/openapi.json`:
+does, and answers `HEAD` as well as `GET` (what load balancers probe with). Bodies
+are size-limited before they are read (`app.body_limit`) and parsed and validated
+in a worker thread, so a large body does not hold the event loop that streams
+everyone else's tokens. There is no `/docs` and no `/openapi.json`:
 the API is OpenAI's, documented by OpenAI and in the README, and an unauthenticated
 schema would describe more than the health check to anyone who can connect.
 """
@@ -105,7 +106,7 @@ def build_api(ingress: OpenAIIngress) -> FastAPI:
         ingress.check_model(body.model)
         return {"prompt": await asyncio.to_thread(ingress.detokenize, body.tokens)}
 
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if await ingress.healthy():
             return Response(status_code=200)

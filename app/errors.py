@@ -3,16 +3,17 @@
 Every error leaves the ingress as `{"error": {"message", "type", "param", "code"}}`
 with its HTTP status: 400 for invalid requests (bad JSON, wrong types, missing
 fields, bad values, prompts too long), 401 for a missing or wrong API key, 404 for
-an unknown model or route, 413 for a body over the size limit, 503 when the decode
-replicas are overloaded or unavailable (with `Retry-After`), 500 for anything
-unexpected (logged with its traceback). `param` names the field at fault, with
-list positions (`messages.2.content`).
+an unknown model or route, 405 for a method a route does not take (with `Allow`),
+413 for a body over the size limit, 503 when the decode replicas are overloaded or
+unavailable (with `Retry-After`), 500 for anything unexpected (logged with its
+traceback). `param` names the field at fault, with list positions
+(`messages.2.content`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,9 +44,13 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The error as a response; `headers` are the ones HTTP asks for with the status (`Allow` with a 405)."""
+    sent = dict(headers or {})
+    if status == 503:
+        sent["Retry-After"] = str(RETRY_AFTER_S)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=sent)
 
 
 def _field_path(loc: Sequence[Any]) -> str:
@@ -86,7 +91,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -7,7 +7,9 @@ parameters and calls a decode replica. It waits for the
 first chunk before answering, so refusals (400) and overload (503, from the
 decode deployment's `max_queued_requests`) get their status instead of a broken
 stream. When the client goes away, Serve cancels the handler and the decode call
-is cancelled with it, which aborts the request and frees its pages.
+is cancelled with it, which aborts the request and frees its pages. Text
+streaming out of a decode replica counts for the health check, which probes the
+replica only when none came lately (`OpenAIIngress.healthy`).
 The HTTP routes themselves are in `app.api`.
 """
 
@@ -17,6 +19,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -40,15 +43,38 @@ from engine.tokenizer import ChatTemplateError, TokenizationError, Tokenizer
 logger = logging.getLogger(__name__)
 
 _HEALTH_TIMEOUT_S = 10.0
+# Generated text from a decode replica this recent answers the health check without a probe.
+_LIVE_WINDOW_S = 5.0
 # Arguments of the renderer itself: chat_template_kwargs may not name them.
 _RENDER_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt"})
 
 
-class DecodeStream:
-    """The chunks of one decode call; closing it early cancels the call (and so the request)."""
+class EngineLiveness:
+    """When a decode replica last sent generated text: its engine loop was running then.
 
-    def __init__(self, response: DeploymentResponseGenerator, first: GenerateChunk) -> None:
-        self._response, self._first = response, first
+    A refusal proves nothing (a dead engine answers every request with one), so only
+    chunks without an error status count.
+    """
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._last = -math.inf
+
+    def saw(self, chunk: GenerateChunk) -> None:
+        if chunk.error_status is None:
+            self._last = time.monotonic()
+
+    def recent(self) -> bool:
+        """Whether generated text arrived within the window."""
+        return time.monotonic() - self._last < self._window_s
+
+
+class DecodeStream:
+    """The chunks of one decode call, each shown to `liveness`; closing it early cancels the call (and so the
+    request)."""
+
+    def __init__(self, response: DeploymentResponseGenerator, first: GenerateChunk, liveness: EngineLiveness) -> None:
+        self._response, self._first, self._liveness = response, first, liveness
 
     async def __aiter__(self) -> AsyncIterator[GenerateChunk]:
         """Yields chunks up to the finished one; a decode replica lost mid-request ends it with a 503 chunk."""
@@ -57,6 +83,7 @@ class DecodeStream:
             chunk = self._first
             while True:
                 finished = chunk.finished
+                self._liveness.saw(chunk)
                 yield chunk
                 if finished:
                     return
@@ -95,6 +122,7 @@ class OpenAIIngress:
         self._log_key_policy()
         self._decode = decode
         self._generate = decode.options(method_name="generate", stream=True)
+        self._liveness = EngineLiveness(_LIVE_WINDOW_S)
 
     def _log_key_policy(self) -> None:
         if self.api_key_digest is not None:
@@ -189,7 +217,7 @@ class OpenAIIngress:
             raise
         if first.error_status is not None:
             raise APIError(first.error_status, first.error_message)
-        return request_id, DecodeStream(response, first)
+        return request_id, DecodeStream(response, first, self._liveness)
 
     @staticmethod
     def _tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
@@ -265,7 +293,17 @@ class OpenAIIngress:
         return self.tokenizer.decode(tokens)
 
     async def healthy(self) -> bool:
-        """Whether a decode replica answers its health check."""
+        """Whether a decode replica's engine is running: it sent generated text within `_LIVE_WINDOW_S`, or it
+        answers its health check.
+
+        The probe is a call like `generate` and waits in the same queue (`max_ongoing_requests`), so on a fully
+        loaded replica it would time out, or be refused by `max_queued_requests`, exactly when the engine is
+        busiest. Text streaming out of a replica is proof enough then, and it costs no call. A dead engine loop
+        sends none, only refusals (which empty the queue at once), so once its last text is older than the
+        window the probe runs and fails: a dead engine still answers 503.
+        """
+        if self._liveness.recent():
+            return True
         try:
             await asyncio.wait_for(self._decode.check_health.remote(), _HEALTH_TIMEOUT_S)
         except (RayError, BackPressureError, DeploymentUnavailableError, RuntimeError, asyncio.TimeoutError) as exc:

@@ -1,9 +1,11 @@
 """OpenAI request bodies, validated by pydantic at the HTTP boundary.
 
 Validation is strict where OpenAI's API is typed: `"max_tokens": "10"` or
-`"stream": "yes"` is a 400 naming the field, not a silent coercion. Messages are
-typed by role, and every list a client controls has a bound (messages, stop
-strings, tools), so one body cannot make the ingress do unbounded work. Fields
+`"stream": "yes"` is a 400 naming the field, not a silent coercion; `null` for a
+field with a default means that default, as OpenAI's API documents. Messages are
+typed by role, every list a client controls has a bound (messages, stop strings,
+tools), and the integer sampling fields fit in 32 bits (the seed in 64), so one body
+cannot make the ingress do unbounded work nor overflow the sampler's tensors. Fields
 OpenAI defines that change nothing here (`user`, `store`, `metadata`,
 `parallel_tool_calls`, ...) are accepted and ignored, so stock clients work;
 fields whose meaning this server cannot honour (n > 1, logprobs, penalties,
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_MESSAGES = 4096
@@ -28,10 +31,25 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TOOLS = 512
 # torch.Generator takes any seed in [-2**63, 2**64): anything beyond is the client's mistake.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# The bound of the other integer sampling fields. top_k reaches the sampler's int64 tensors, where a value
+# beyond 64 bits stops the engine loop, and any top_k above the vocabulary already means no cut; the fields
+# refused away from their neutral values keep the same bound, so a huge one is refused by name alike.
+INT32_MAX = 2**31 - 1
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """Drops `null` where the field has a default: OpenAI documents its optional parameters as nullable and
+        clients send `null` for "unset"; a required field keeps its `null`, to be refused by its type."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required()}
 
 
 class StreamOptions(_Body):
@@ -45,10 +63,10 @@ class GenerationRequest(_Body):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=INT32_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -59,7 +77,7 @@ class GenerationRequest(_Body):
     # vLLM's sampling extensions this server cannot honour (see the module docstring)
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     use_beam_search: bool = False
     guided_json: Any = None
     guided_regex: Any = None
@@ -119,6 +137,26 @@ class CalledFunction(_Body):
     name: str = Field(min_length=1, max_length=256)
     arguments: str | dict[str, Any]  # OpenAI sends a JSON string; an object is accepted too
 
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, arguments: str | dict[str, Any]) -> dict[str, Any]:
+        """The arguments as an object, so a bad JSON string is refused here with its exact location.
+
+        Parsed by the parser, and under the nesting limit, that reads the request body itself: JSON nested
+        too deeply is a parse error like any other, never a recursion error further on.
+        """
+        if isinstance(arguments, dict):
+            return arguments
+        if not arguments.strip():
+            return {}
+        try:
+            parsed = pydantic_core.from_json(arguments, allow_inf_nan=False)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON ({exc})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"must be a JSON object, got {type(parsed).__name__}")
+        return parsed
+
 
 class AssistantToolCall(_Body):
     id: str | None = None
@@ -159,7 +197,7 @@ class ChatCompletionRequest(GenerationRequest):
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
@@ -175,9 +213,9 @@ class ChatCompletionRequest(GenerationRequest):
 class CompletionRequest(GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+    best_of: int | None = Field(None, ge=1, le=INT32_MAX)
 
     def unsupported(self) -> tuple[str, str] | None:
         for name in ("echo", "logprobs", "suffix"):

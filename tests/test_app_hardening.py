@@ -141,6 +141,14 @@ def test_stop_token_ids_end_a_reply(decode_replica: set[str]) -> None:
 # --- strict input -------------------------------------------------------------------------------
 
 _ASSISTANT = {"role": "assistant", "content": None}
+
+
+def _called(arguments: str) -> dict[str, Any]:
+    """A chat whose assistant turn called a function with these arguments."""
+    call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {**_ASSISTANT, "tool_calls": [call]}]}
+
+
 HOSTILE = [
     # (name, path, body, status, param)
     ("tool_calls a string", "/v1/chat/completions",
@@ -152,7 +160,12 @@ HOSTILE = [
     ("tool_calls of strings", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {**_ASSISTANT, "tool_calls": ["ab"]}]},
      400, "messages.1.tool_calls.0"),
+    ("tool-call arguments not JSON", "/v1/chat/completions", _called("{x"), 400,
+     "messages.1.tool_calls.0.function.arguments"),
+    ("tool-call arguments nested 5000 deep", "/v1/chat/completions", _called("[" * 5000), 400,
+     "messages.1.tool_calls.0.function.arguments"),
     ("seed over 64 bits", "/v1/chat/completions", _chat("x", seed=2**64), 400, "seed"),
+    ("top_k over 63 bits", "/v1/chat/completions", _chat("x", top_k=2**63), 400, "top_k"),
     ("seed under -2**63", "/v1/completions", {"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
     ("max_tokens as a string", "/v1/chat/completions", _chat("x", max_tokens="10"), 400, "max_tokens"),
     ("stream as a string", "/v1/chat/completions", _chat("x", stream="yes"), 400, "stream"),
@@ -208,6 +221,18 @@ HOSTILE = [
 def test_hostile_requests_get_clear_errors(decode_replica: set[str], name: str, path: str, body: Any,
                                            status: int, param: str | None) -> None:
     _assert_openai_error(_post(path, body, raw=isinstance(body, str)), status, param)
+
+
+def test_null_parameters_mean_their_defaults(decode_replica: set[str]) -> None:
+    """Stock clients send `null` for a parameter they leave unset."""
+    nulls = dict.fromkeys(("top_k", "ignore_eos", "min_p", "repetition_penalty"))
+    with openai.OpenAI(base_url=f"{BASE}/v1", api_key="x", max_retries=0, timeout=60) as client:
+        chat = client.chat.completions.create(**_chat("Hi"), max_tokens=2, temperature=None, top_p=None, n=None,
+                                              stream=None, presence_penalty=None, frequency_penalty=None,
+                                              extra_body=nulls)
+        text = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, echo=None, temperature=None,
+                                         extra_body=nulls)
+    assert chat.usage.completion_tokens >= 1 and text.usage.completion_tokens >= 1
 
 
 def test_user_text_never_becomes_a_role_marker(cluster: None) -> None:
@@ -288,6 +313,17 @@ def test_no_schema_or_docs_routes(cluster: None) -> None:
         _assert_openai_error(httpx.get(f"{BASE}{path}"), 404)
 
 
+def test_wrong_methods_name_the_allowed_ones_and_health_answers_head(cluster: None) -> None:
+    chat = httpx.get(f"{BASE}/v1/chat/completions")
+    _assert_openai_error(chat, 405)
+    assert chat.headers["allow"] == "POST"
+    health = httpx.post(f"{BASE}/health")
+    _assert_openai_error(health, 405)
+    assert set(health.headers["allow"].split(", ")) == {"GET", "HEAD"}
+    head = httpx.head(f"{BASE}/health", timeout=10)
+    assert head.status_code == 200 and not head.content
+
+
 def test_api_key_reaches_an_ingress_on_a_cluster_started_before_it(cluster: None) -> None:
     url = f"{BASE}/keyed/v1/chat/completions"
     body = {**_chat("Hi"), "model": "glm-tiny-keyed", "max_tokens": 2}
@@ -308,6 +344,31 @@ def test_overload_503_says_when_to_retry(cluster: None) -> None:
     refused = [r for r in asyncio.run(burst()) if r.status_code == 503]
     assert refused and all(int(r.headers["retry-after"]) >= 1 for r in refused)
     _assert_openai_error(refused[0], 503)
+    wait_for(lambda: replica_idle("DecodeServer", "keyed"))
+
+
+def test_a_full_decode_replica_is_healthy(cluster: None) -> None:
+    """The keyed replica's one slot streams and its one queue place is taken: busy, not sick, so `/health` answers
+    200 at once (a probe queued behind the requests would be refused, or wait until they end)."""
+    url, auth = f"{BASE}/keyed/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    body = {**_chat("Go on"), "model": "glm-tiny-keyed", "max_tokens": 1000, "ignore_eos": True}
+
+    async def run() -> tuple[int, float, int]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            async with http.stream("POST", url, json={**body, "stream": True}, headers=auth) as running:
+                assert running.status_code == 200
+                lines = running.aiter_lines()
+                while not (await anext(lines)).startswith("data: "):
+                    pass
+                queued = asyncio.create_task(http.post(url, json={**body, "max_tokens": 2}, headers=auth))
+                await asyncio.sleep(1.0)  # the second request waits for the slot
+                started = time.monotonic()
+                health = await http.get(f"{BASE}/keyed/health")
+                health_s = time.monotonic() - started
+            return health.status_code, health_s, (await queued).status_code
+
+    health, health_s, queued = asyncio.run(run())
+    assert health == 200 and health_s < 5 and queued == 200
     wait_for(lambda: replica_idle("DecodeServer", "keyed"))
 
 

@@ -1,5 +1,6 @@
 """The Serve application's parts without a cluster: config schema, GLM tool-call parsing, routing, response bodies,
-the API key's digest, the body limit and the replica logs."""
+request validation, the ingress's view of engine liveness, the API key's digest, the body limit and the replica
+logs."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from pydantic import BaseModel, ValidationError
 from ray.exceptions import TaskCancelledError
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
@@ -21,10 +23,12 @@ from ray.serve.request_router import PendingRequest
 from app.body_limit import BodyLimitMiddleware
 from app.config import AppConfig, ConfigError, EngineArgs
 from app.decode import DecodeServer
+from app.errors import APIError, invalid_request
+from app.ingress import EngineLiveness
 from app.logs import log_cancellations_briefly
 from app.main import build_app
 from app.messages import GenerateChunk, GenerateRequest
-from app.openai_models import ChatCompletionRequest, CompletionRequest
+from app.openai_models import INT32_MAX, ChatCompletionRequest, CompletionRequest
 from app.responses import ResponseMeta, collect_chat, stream_chat
 from app.router import AffinityRouter, affinity_rank
 from app.tool_parser import ToolCall, ToolCallStreamParser, parse_tool_calls
@@ -511,6 +515,77 @@ def test_vllm_sampling_extensions_pass_only_at_their_neutral_values() -> None:
                          ("guided_regex", "a+"), ("guided_choice", ["a"])):
         refused = CompletionRequest.model_validate({"model": "m", "prompt": "x", field: value}).unsupported()
         assert refused is not None and refused[0] == field, (field, refused)
+
+
+def _refusal(model: type[BaseModel], body: dict) -> APIError:
+    """The 400 the API answers for `body`, from the same JSON path a request takes."""
+    with pytest.raises(ValidationError) as info:
+        model.model_validate_json(json.dumps(body))
+    return invalid_request(info.value.errors(include_url=False))
+
+
+_CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+_COMPLETION = {"model": "m", "prompt": "x"}
+
+
+@pytest.mark.parametrize(("model", "base", "field"), [
+    (ChatCompletionRequest, _CHAT, "top_k"), (ChatCompletionRequest, _CHAT, "n"),
+    (ChatCompletionRequest, _CHAT, "min_tokens"), (ChatCompletionRequest, _CHAT, "top_logprobs"),
+    (CompletionRequest, _COMPLETION, "best_of"), (CompletionRequest, _COMPLETION, "logprobs"),
+])
+def test_integer_sampling_fields_fit_in_32_bits(model: type[BaseModel], base: dict, field: str) -> None:
+    """A value an int64 tensor cannot hold would stop the engine loop: it is the request's 400, naming the field."""
+    for value in (2**63, INT32_MAX + 1):
+        error = _refusal(model, {**base, field: value})
+        assert (error.status, error.param) == (400, field), error.message
+
+
+def test_top_k_above_the_vocabulary_means_no_cut() -> None:
+    for top_k in (-1, 0, 10**6, INT32_MAX):
+        assert ChatCompletionRequest.model_validate_json(json.dumps({**_CHAT, "top_k": top_k})).top_k == top_k
+
+
+def test_null_means_the_default() -> None:
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "top_k",
+                           "ignore_eos", "min_p", "repetition_penalty", "min_tokens", "use_beam_search"))
+    chat = ChatCompletionRequest.model_validate_json(json.dumps({**_CHAT, **nulls}))
+    assert chat == ChatCompletionRequest.model_validate_json(json.dumps(_CHAT)) and chat.unsupported() is None
+    completion = CompletionRequest.model_validate_json(json.dumps({**_COMPLETION, **nulls, "echo": None}))
+    assert not completion.echo and completion.unsupported() is None
+    assert _refusal(CompletionRequest, {**_COMPLETION, "temperature": "0.5"}).param == "temperature"  # still strict
+    assert _refusal(CompletionRequest, {**_COMPLETION, "model": None}).param == "model"  # required stays required
+
+
+def _with_arguments(arguments: str | dict) -> dict:
+    call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {**_CHAT, "messages": [*_CHAT["messages"], {"role": "assistant", "content": None, "tool_calls": [call]}]}
+
+
+@pytest.mark.parametrize(("arguments", "problem"), [
+    ("{not json", "not valid JSON"), ("[" * 5000, "not valid JSON"), ("[1, 2]", "must be a JSON object"),
+])
+def test_tool_call_arguments_are_refused_at_their_location(arguments: str, problem: str) -> None:
+    error = _refusal(ChatCompletionRequest, _with_arguments(arguments))
+    assert error.param == "messages.1.tool_calls.0.function.arguments" and problem in error.message
+
+
+def test_tool_call_arguments_reach_the_template_as_objects() -> None:
+    for arguments, parsed in (('{"city": "Paris"}', {"city": "Paris"}), ({"city": "Paris"}, {"city": "Paris"}),
+                              (" ", {})):
+        body = ChatCompletionRequest.model_validate_json(json.dumps(_with_arguments(arguments)))
+        assert body.messages[1].for_template()["tool_calls"][0]["function"]["arguments"] == parsed
+
+
+def test_engine_liveness_counts_generated_text_only() -> None:
+    liveness = EngineLiveness(window_s=60)
+    assert not liveness.recent()
+    liveness.saw(GenerateChunk.refusal(503, "the engine of this replica stopped"))
+    assert not liveness.recent()
+    liveness.saw(GenerateChunk(text_delta="a", num_output_tokens=1))
+    assert liveness.recent()
+    expired = EngineLiveness(window_s=0)
+    expired.saw(GenerateChunk(text_delta="a", num_output_tokens=1))
+    assert not expired.recent()
 
 
 def test_cancelled_ray_tasks_are_logged_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
