@@ -2,8 +2,10 @@
 
 A call is `<tool_call>NAME`, then per argument `<arg_key>KEY</arg_key>` and
 `<arg_value>VALUE</arg_value>`, then `</tool_call>`; several calls may follow each
-other. Values are JSON when they parse as JSON, else raw strings. A call that does
-not close (the output hit its length limit) stays text.
+other. Values are JSON when they parse as strict JSON (finite numbers, nesting the
+parser can follow), else raw strings, so `arguments` is always valid JSON. A call that
+does not close (the output hit its length limit), or whose name is not a function name
+(it holds spaces or markup), stays text.
 
 `parse_tool_calls` splits a finished output into content and calls.
 `ToolCallStreamParser` does the same for a stream of text deltas: text before a
@@ -15,12 +17,16 @@ which then comes out whole. One parser per streamed response.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+# A name a request may give a tool (1 to 256 characters): word characters, with the `.`, `:`, `/` and `-`
+# that namespaced tool names use. Whitespace, markup and JSON punctuation mean the text is not a call.
+_NAME = re.compile(r"[\w.:/-]{1,256}")
 
 
 @dataclass(frozen=True)
@@ -30,20 +36,33 @@ class ToolCall:
 
     def arguments_json(self) -> str:
         """Arguments as OpenAI sends them: a JSON object in a string."""
-        return json.dumps(self.arguments, ensure_ascii=False)
+        return json.dumps(self.arguments, ensure_ascii=False, allow_nan=False)
+
+
+def _finite(number: str) -> float:
+    """A JSON number as a float; NaN, Infinity and overflowing numbers have no strict JSON form."""
+    value = float(number)
+    if not math.isfinite(value):
+        raise ValueError(f"{number} is not a finite number")
+    return value
 
 
 def _value(raw: str) -> Any:
+    """`raw` as JSON when it reads as strict JSON, else the raw string.
+
+    Reading fails with ValueError (bad JSON, a non-finite number, an integer too long to convert) or,
+    for deep nesting, RecursionError; either way the model's text is kept as it is.
+    """
     try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
+        return json.loads(raw, parse_float=_finite, parse_constant=_finite)
+    except (ValueError, RecursionError):
         return raw
 
 
 def parse_call(body: str) -> ToolCall | None:
-    """The call inside `<tool_call>...</tool_call>`; None when it names no function."""
+    """The call inside `<tool_call>...</tool_call>`; None when what it names is not a function name."""
     name = body.split("<arg_key>", 1)[0].strip()
-    if not name:
+    if not _NAME.fullmatch(name):
         return None
     return ToolCall(name, {key.strip(): _value(value) for key, value in _ARGUMENT.findall(body)})
 

@@ -9,9 +9,13 @@ environment Hugging Face gives them (trim and lstrip of blocks, a `tojson` filte
 non-ASCII text, `raise_exception`), which lets a real checkpoint's template render unchanged.
 
 Role markers and other added tokens come only from the template: text a client wrote in a
-system, user or tool message is encoded as plain text even where it spells `<|assistant|>`, so a
-message cannot open a turn of another role. Such text is rendered through a placeholder and
-spliced back as plain-text tokens; assistant turns (the model's own output) render as they are.
+system, user or tool message, or in a tool definition (names, descriptions, parameter schemas), is
+encoded as plain text even where it spells `<|assistant|>`, so a client cannot open a turn of another
+role. Such text is rendered between markers that hold a per-call secret and the rendered span is
+encoded as plain text; assistant turns (the model's own output) render as they are.
+
+Text is encoded with the backend's batch call, which releases the GIL while it works: the ingress
+tokenizes in worker threads, and a long prompt must not stop its event loop meanwhile.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,9 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 
 # Roles whose text is the client's: control tokens it spells are encoded as plain text.
 _CLIENT_TEXT_ROLES = frozenset({"system", "developer", "user", "tool"})
+
+_NOT_VERBATIM = ("client text that spells the model's control tokens is not rendered verbatim by this chat template, "
+                 "so it cannot be kept as plain text")
 
 
 class ChatTemplateError(ValueError):
@@ -125,16 +132,28 @@ def _template_from_config(value: Any) -> str | None:
     return named.get("default")
 
 
+def _parse_arguments(text: str, where: str) -> Any:
+    """A tool call's JSON arguments; any failure to read them (bad syntax, nesting deeper than the parser's
+    recursion allows, an integer too long to convert) is the client's, so it is a ChatTemplateError."""
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ChatTemplateError(f"{where}: arguments are not valid JSON ({exc.msg})") from exc
+    except RecursionError:
+        raise ChatTemplateError(f"{where}: arguments nest too deeply") from None
+    except ValueError as exc:
+        raise ChatTemplateError(f"{where}: arguments cannot be read ({exc})") from exc
+
+
 def _normalize_tool_call(call: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Copy one tool call with its arguments as a dict, since OpenAI clients send a JSON string."""
     call = dict(call)
     holder = dict(call["function"]) if isinstance(call.get("function"), Mapping) else call
     arguments = holder.get("arguments")
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ChatTemplateError(f"{where}: arguments are not valid JSON ({exc.msg})") from exc
+        arguments = _parse_arguments(arguments, where)
     if arguments is not None and not isinstance(arguments, Mapping):
         raise ChatTemplateError(f"{where}: arguments must be a JSON object, got {type(arguments).__name__}")
     holder["arguments"] = dict(arguments or {})
@@ -162,6 +181,114 @@ def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str,
     return normalized
 
 
+def _without_added_tokens(backend: Backend) -> Backend:
+    """A copy of `backend` that knows none of its added tokens: it encodes text spelling one as ordinary text.
+
+    Its pipeline is otherwise the backend's own, so for text that spells no added token both give the same ids.
+    """
+    spec = json.loads(backend.to_str())
+    spec["added_tokens"] = []
+    return Backend.from_str(json.dumps(spec))
+
+
+def _encode_with(backend: Backend, text: str) -> list[int]:
+    """Token ids of `text` from `backend`, without BOS.
+
+    `encode_batch_fast` releases the GIL while it tokenizes (`encode` holds it, so a megabyte of text in a
+    worker thread would stop the event loop for a second); it skips offsets, which nothing here reads.
+    """
+    try:
+        return backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
+    except TypeError as exc:  # the backend refuses strings that are not valid Unicode
+        _check_unicode(text)
+        raise TokenizationError(f"text cannot be tokenized: {exc}") from exc
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, Mapping) and isinstance(part.get("text"), str)
+
+
+class _ClientTextFence:
+    """Brackets client strings that spell added tokens between markers holding a secret nonce.
+
+    The template renders the bracketed string as it would the string itself (escaped as JSON inside
+    `tojson`, say), so after rendering the text between the markers is the client's and is encoded
+    as plain text. A client cannot write the markers: it does not know the nonce. Strings that spell
+    no added token are left alone, so template logic that reads them (`type == 'string'`) is unchanged.
+    """
+
+    def __init__(self, spells_added_token: Callable[[str], bool]) -> None:
+        # A lowercase word ahead of the secret, so that a template changing the case of client text always
+        # breaks the markers (and is refused) whatever digits the secret happens to hold.
+        nonce = f"fence{secrets.token_hex(8)}"
+        self._nonce = nonce
+        self._open, self._close = f"\ue000{nonce}\ue001", f"\ue000{nonce}\ue002"
+        self._marker = re.compile(f"\ue000{nonce}([\ue001\ue002])")
+        self._spells = spells_added_token
+        self.used = False
+
+    def text(self, text: str) -> str:
+        """`text` between the markers."""
+        self.used = True
+        return f"{self._open}{text}{self._close}"
+
+    def value(self, value: Any) -> Any:
+        """`value` with every string in it that spells an added token, mapping keys included, fenced."""
+        if isinstance(value, str):
+            return self.text(value) if self._spells(value) else value
+        if isinstance(value, Mapping):
+            return {self.value(key): self.value(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.value(item) for item in value]
+        return value
+
+    def message(self, message: Any) -> Any:
+        """A client message with its strings fenced; the model's own turns stay as they are."""
+        if not isinstance(message, Mapping) or message.get("role") not in _CLIENT_TEXT_ROLES:
+            return message
+        return {key: self._field(key, value) for key, value in message.items()}
+
+    def _field(self, key: Any, value: Any) -> Any:
+        if key == "role":
+            return value
+        if key == "content" and isinstance(value, list):
+            return self._parts(value)
+        return self.value(value)
+
+    def _parts(self, parts: list[Any]) -> list[Any]:
+        """Content parts, every text fenced when their texts joined spell an added token.
+
+        Templates join the parts, so `<|us` and `er|>` in two parts would meet as `<|user|>`.
+        """
+        texts = [part["text"] for part in parts if _is_text_part(part)]
+        if not self._spells("".join(texts)):
+            return self.value(parts)
+        return [{**self.value(part), "text": self.text(part["text"])} if _is_text_part(part) else self.value(part)
+                for part in parts]
+
+    def split(self, rendered: str) -> list[tuple[str, bool]]:
+        """The rendered text in pieces, each with whether it is fenced client text.
+
+        Raises ChatTemplateError when the template did not keep the markers as they were (it changed
+        their case, say, or cut a fenced string short): the prompt would then hold their remains.
+        """
+        pieces = self._marker.split(rendered)  # text, marker kind, text, ...
+        out: list[tuple[str, bool]] = []
+        inside = False
+        for n, piece in enumerate(pieces):
+            if n % 2:
+                if (piece == "\ue001") == inside:
+                    raise ChatTemplateError(_NOT_VERBATIM)
+                inside = not inside
+            elif self._nonce in piece.lower():
+                raise ChatTemplateError(_NOT_VERBATIM)
+            elif piece:
+                out.append((piece, inside))
+        if inside:
+            raise ChatTemplateError(_NOT_VERBATIM)
+        return out
+
+
 class Tokenizer:
     """One model's tokenizer, stop tokens and chat template."""
 
@@ -180,6 +307,7 @@ class Tokenizer:
         self._template = compile_chat_template(chat_template) if chat_template is not None else None
         added = sorted((t.content for t in backend.get_added_tokens_decoder().values()), key=len, reverse=True)
         self._added_token_pattern = re.compile("|".join(map(re.escape, added))) if added else None
+        self._plain_backend = _without_added_tokens(backend) if added else backend
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -224,24 +352,14 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; no BOS is added, and special tokens written in the text are matched."""
-        try:
-            return self._backend.encode(text, add_special_tokens=False).ids
-        except TypeError as exc:  # the backend refuses strings that are not valid Unicode
-            _check_unicode(text)
-            raise TokenizationError(f"text cannot be tokenized: {exc}") from exc
+        return _encode_with(self._backend, text)
 
     def encode_plain(self, text: str) -> list[int]:
         """Token ids of `text` with every added token spelled in it encoded as ordinary text.
 
-        Runs the backend's pipeline without its added-token pass; for text that spells no added
-        token the ids equal `encode(text)`.
+        For text that spells no added token the ids equal `encode(text)`.
         """
-        _check_unicode(text)
-        backend = self._backend
-        if backend.normalizer is not None:
-            text = backend.normalizer.normalize_str(text)
-        pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]
-        return [token.id for piece, _ in pieces for token in backend.model.tokenize(piece)]
+        return _encode_with(self._plain_backend, text)
 
     def spells_added_token(self, text: str) -> bool:
         return self._added_token_pattern is not None and self._added_token_pattern.search(text) is not None
@@ -278,6 +396,8 @@ class Tokenizer:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        except RecursionError:  # `tojson` of client data nested nearly as deep as the JSON parser allows
+            raise ChatTemplateError("the messages or tools nest too deeply to render") from None
 
     def encode_chat(
         self,
@@ -286,46 +406,20 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **template_kwargs: Any,
     ) -> list[int]:
-        """Token ids of the rendered conversation; client text that spells added tokens stays plain text."""
-        messages, spliced, marker = self._hide_client_markers(messages)
-        rendered = self.apply_chat_template(messages, tools, add_generation_prompt, **template_kwargs)
-        if not spliced:
-            return self.encode(rendered)
-        pieces = marker.split(rendered)  # template text, placeholder index, template text, ...
-        indices = [int(i) for i in pieces[1::2]]
-        if sorted(indices) != list(range(len(spliced))):
-            raise ChatTemplateError("message text that spells the model's control tokens is not rendered verbatim "
-                                    "by this chat template, so it cannot be kept as plain text")
-        ids: list[int] = []
-        for n, piece in enumerate(pieces):
-            ids += self.encode(piece) if n % 2 == 0 else self.encode_plain(spliced[int(piece)])
-        return ids
+        """Token ids of the rendered conversation; client text that spells added tokens stays plain text.
 
-    def _hide_client_markers(
-        self, messages: Sequence[Mapping[str, Any]]
-    ) -> tuple[list[Mapping[str, Any]], list[str], re.Pattern[str]]:
-        """Messages whose client text spelling added tokens is replaced by unique placeholders.
-
-        Returns the messages, the replaced texts by placeholder index, and the placeholder pattern.
+        Client text is that of system, user and tool messages and all of the tool definitions.
         """
-        nonce = secrets.token_hex(8)
-        marker = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
-        spliced: list[str] = []
-
-        def hide(text: Any) -> Any:
-            if not isinstance(text, str) or not self.spells_added_token(text):
-                return text
-            spliced.append(text)
-            return f"\ue000{nonce}:{len(spliced) - 1}\ue001"
-
-        hidden: list[Mapping[str, Any]] = []
-        for message in messages:
-            if not isinstance(message, Mapping) or message.get("role") not in _CLIENT_TEXT_ROLES:
-                hidden.append(message)
-                continue
-            content = message.get("content")
-            if isinstance(content, list):
-                content = [{**part, "text": hide(part.get("text"))} if isinstance(part, Mapping) else part
-                           for part in content]
-            hidden.append({**message, "content": hide(content)})
-        return hidden, spliced, marker
+        fence = _ClientTextFence(self.spells_added_token)
+        try:
+            messages = [fence.message(message) for message in messages]
+            tools = fence.value(tools)
+        except RecursionError:
+            raise ChatTemplateError("the messages or tools nest too deeply to render") from None
+        rendered = self.apply_chat_template(messages, tools, add_generation_prompt, **template_kwargs)
+        if not fence.used:
+            return self.encode(rendered)
+        ids: list[int] = []
+        for piece, plain in fence.split(rendered):
+            ids += self.encode_plain(piece) if plain else self.encode(piece)
+        return ids

@@ -1,0 +1,73 @@
+"""The GLM tool-call parser on output a model may write: its arguments are strict JSON, its names are names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.tool_parser import ToolCall, ToolCallStreamParser, parse_tool_calls
+
+
+def call_text(name: str, value: str) -> str:
+    return f"<tool_call>{name}\n<arg_key>a</arg_key>\n<arg_value>{value}</arg_value>\n</tool_call>"
+
+
+def streamed(text: str, step: int = 5) -> list[str | ToolCall]:
+    parser, events = ToolCallStreamParser(), []
+    for i in range(0, len(text), step):
+        events += parser.feed(text[i : i + step])
+    return events + parser.finish()
+
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize(
+    "raw", ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "[1, NaN]", '{"x": 1e400}', DEEP, "1" * 5000]
+)
+def test_values_that_are_not_strict_json_stay_strings(raw: str) -> None:
+    content, calls = parse_tool_calls(call_text("f", raw))
+    assert content == "" and calls == [ToolCall("f", {"a": raw})]
+    assert json.loads(calls[0].arguments_json()) == {"a": raw}
+
+
+def test_finite_json_values_are_parsed() -> None:
+    _, calls = parse_tool_calls(call_text("f", '{"x": [1.5, -2e3, 0, null, true]}'))
+    assert calls == [ToolCall("f", {"a": {"x": [1.5, -2000.0, 0, None, True]}})]
+    assert calls[0].arguments_json() == '{"a": {"x": [1.5, -2000.0, 0, null, true]}}'
+
+
+def test_arguments_json_refuses_non_finite_numbers() -> None:
+    with pytest.raises(ValueError):
+        ToolCall("f", {"a": float("nan")}).arguments_json()
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>f<tool_call>g</tool_call>",
+        "<tool_call>get weather\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
+        '<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+        "<tool_call>f<br></tool_call>",
+        f"<tool_call>{'f' * 257}</tool_call>",
+        "<tool_call>\n</tool_call>",
+    ],
+)
+def test_text_that_names_no_function_stays_content(text: str) -> None:
+    assert parse_tool_calls(f"ok {text}") == (f"ok {text}", [])
+    assert "".join(e for e in streamed(f"ok {text}") if isinstance(e, str)) == f"ok {text}"
+    assert not any(isinstance(e, ToolCall) for e in streamed(f"ok {text}"))
+
+
+@pytest.mark.parametrize("name", ["get_weather", "get-weather2", "mcp__github__create_issue", "browser.search",
+                                  "server:tool", "files/read", "查询天气", "f" * 256])
+def test_function_names_are_accepted(name: str) -> None:
+    assert parse_tool_calls(call_text(name, "1")) == ("", [ToolCall(name, {"a": 1})])
+    assert [e for e in streamed(call_text(name, "1")) if isinstance(e, ToolCall)] == [ToolCall(name, {"a": 1})]
+
+
+def test_a_bad_call_leaves_the_next_one_intact() -> None:
+    text = "<tool_call>f g</tool_call>" + call_text("h", "NaN")
+    content, calls = parse_tool_calls(text)
+    assert content == "<tool_call>f g</tool_call>" and calls == [ToolCall("h", {"a": "NaN"})]
