@@ -6,4 +6,5 @@ timeout 430 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/gpu > $
 tail -3 $OUT/gpu-suite.txt
 grep -E "^FAILED|^ERROR" $OUT/gpu-suite.txt | head -20
 left=$(( 585 - ($(date +%s) - start) ))
+# .probe/mirror_host.py: bench/results/h200-2026-12-04-thirty-second/mirror_host.py
 if [ $left -gt 100 ]; then timeout $left python3 .probe/mirror_host.py > $OUT/mirror-host.txt 2>&1; echo "mirror rc $?"; cat $OUT/mirror-host.txt | tail -3; fi
