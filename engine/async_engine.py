@@ -143,10 +143,14 @@ class AsyncEngine:
             aborts, self._aborts = self._aborts, []
             calls, self._calls = self._calls, []
         for fn, future in calls:
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller stopped waiting (aborted, timed out): nothing is run for it
             try:
-                future.set_result(fn(self.engine))
+                result = fn(self.engine)
             except Exception as exc:  # noqa: BLE001 - the caller gets the failure
                 future.set_exception(exc)
+            else:
+                future.set_result(result)
         for rid in aborts:
             self.engine.abort_request(rid)
         for rid, prompt, params in adds:
@@ -187,4 +191,5 @@ class AsyncEngine:
         for stream in streams.values():
             stream.put(dead)
         for _, future in calls:
-            future.set_exception(dead)
+            if future.set_running_or_notify_cancel():
+                future.set_exception(dead)

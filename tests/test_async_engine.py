@@ -88,3 +88,28 @@ def test_dead_loop_fails_streams_and_calls(tiny_dir: Path) -> None:
 
     with pytest.raises(EngineDeadError):
         asyncio.run(call())
+
+
+def test_a_call_its_caller_gave_up_on_is_dropped(engine: AsyncEngine) -> None:
+    """A caller that stops waiting for `run_in_engine` (an aborted request, a timeout) cancels the call; the engine
+    thread, reaching it later, skips it and goes on serving (setting a cancelled call's result ended the loop)."""
+    import threading
+
+    busy, release = threading.Event(), threading.Event()
+
+    def hold(_engine) -> None:  # noqa: ANN001 - keeps the engine thread inside its inbox
+        busy.set()
+        release.wait(10)
+
+    async def run() -> list:
+        held = asyncio.ensure_future(engine.run_in_engine(hold))
+        await asyncio.to_thread(busy.wait, 10)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(engine.run_in_engine(lambda e: e.stats()), 0.01)
+        release.set()
+        await held
+        outputs = [o async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))]
+        return [outputs, await engine.run_in_engine(lambda e: e.num_steps)]
+
+    outputs, steps = asyncio.run(run())
+    assert engine.is_healthy() and len(outputs) == 3 and steps >= 3
