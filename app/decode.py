@@ -45,15 +45,22 @@ class DecodeServer(EngineServer):
         self._reuse_unit = kv.indexer_page_tokens
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Streams the request's chunks; a request the engine refuses yields one refusal chunk."""
+        """Streams the request's chunks; a request the engine refuses yields one refusal chunk. Its times (TTFT,
+        end to end) run from here, so a remote prefill counts in them; a client that leaves during it is counted
+        as an abort."""
+        arrival = time.monotonic()
         try:
             self.engine.engine.validate(req.prompt_token_ids, req.params)
         except InvalidRequestError as exc:
             yield GenerateChunk.refusal(400, str(exc))
             return
         if self._prefill is not None and self.engine.is_healthy():
-            await self._prefill_remotely(req)
-        async for chunk in self._stream(req):
+            try:
+                await self._prefill_remotely(req)
+            except asyncio.CancelledError:
+                self._record_finished(arrival, "abort")
+                raise
+        async for chunk in self._stream(req, arrival):
             yield chunk
 
     async def _prefill_remotely(self, req: GenerateRequest) -> None:

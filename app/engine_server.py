@@ -82,14 +82,23 @@ class EngineServer:
                 logger.exception("updating engine metrics failed")
             await asyncio.sleep(self._config.metrics_interval_s)
 
-    async def _stream(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+    def _record_finished(self, arrival: float, reason: str, first_token_at: float | None = None,
+                         prompt_tokens: int = 0, output_tokens: int = 0) -> None:
+        """Counts one request that ended after it reached this replica: finished, failed or aborted, before its
+        first token too (a client that leaves during its remote prefill). Times run from `arrival`."""
+        self.counters[f"finished_{reason}"] += 1
+        ttft = None if first_token_at is None else first_token_at - arrival
+        self.metrics.request_finished(prompt_tokens, output_tokens, ttft, time.monotonic() - arrival, reason)
+
+    async def _stream(self, req: GenerateRequest, arrival: float) -> AsyncIterator[GenerateChunk]:
         """Runs `req` on the local engine; refusals become one refusal chunk, metrics are recorded at the end.
 
         A request the engine ended on its own error gets a 500 chunk (counted as
-        `finished_error`) while this replica stays healthy; a dead engine gets 503.
+        `finished_error`) while this replica stays healthy; a dead engine gets 503. A refusal is not counted as
+        a finished request.
         """
-        arrival = time.monotonic()
         first_token_at: float | None = None
+        refused = False
         prompt_tokens = output_tokens = 0
         reason = "abort"
         try:
@@ -102,6 +111,7 @@ class EngineServer:
                     reason = output.finish_reason or reason
                     yield GenerateChunk.of(output)
         except InvalidRequestError as exc:
+            refused = True
             yield GenerateChunk.refusal(400, str(exc))
             return
         except RequestFailedError as exc:
@@ -112,10 +122,8 @@ class EngineServer:
             yield GenerateChunk.refusal(503, f"the engine of this replica stopped: {exc}")
             return
         finally:
-            self.counters[f"finished_{reason}"] += 1
-            if first_token_at is not None:
-                ttft = first_token_at - arrival
-                self.metrics.request_finished(prompt_tokens, output_tokens, ttft, time.monotonic() - arrival, reason)
+            if not refused:
+                self._record_finished(arrival, reason, first_token_at, prompt_tokens, output_tokens)
 
     def __del__(self) -> None:
         """Serve's shutdown hook (after its own drain): let the engine go idle, then stop it."""

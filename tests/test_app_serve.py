@@ -199,6 +199,17 @@ def test_disconnect_mid_stream_frees_pages(cluster: None) -> None:
     wait_for(lambda: replica_idle("DecodeServer", "hisparse"), 10)
 
 
+def test_a_client_gone_before_its_first_token_is_counted(cluster: None) -> None:
+    """A client that leaves while its new long prompt is prefilled remotely ends an aborted request, counted once
+    like one that leaves mid-stream."""
+    aborted = replica_stats("DecodeServer", "hisparse").get("finished_abort", 0)
+    prompt = " ".join(f"the weather in Lyon on day {i}." for i in range(60))  # about 1,000 tokens, none cached
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{BASE}/v1/chat/completions", json=_chat(prompt, max_tokens=1500, ignore_eos=True), timeout=0.2)
+    wait_for(lambda: replica_stats("DecodeServer", "hisparse").get("finished_abort", 0) == aborted + 1, 30)
+    wait_for(lambda: replica_idle("DecodeServer", "hisparse") and replica_idle("PrefillServer", "hisparse"))
+
+
 def test_burst_of_streams_completes_and_pools_return_to_baseline(cluster: None) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> str | None:
         prompt = f"Request {i}: " + ("tell me more about the city " * (30 if i % 3 else 60))
