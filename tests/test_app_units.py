@@ -403,7 +403,7 @@ def test_health_check_fails_once_the_engine_loop_died(tiny_dir: Path) -> None:
     async def run() -> list[GenerateChunk]:
         server = object.__new__(DecodeServer)  # the replica's state without Serve
         server.engine = AsyncEngine(EngineConfig(model=str(tiny_dir), num_gpu_pages=32))
-        server.metrics = ReplicaMetricsStub()
+        server.metrics = metrics
         server.counters = collections.Counter()
         await server.check_health()
 
@@ -418,13 +418,22 @@ def test_health_check_fails_once_the_engine_loop_died(tiny_dir: Path) -> None:
         server.engine.shutdown()
         return chunks
 
+    metrics = ReplicaMetricsStub()
     [refusal] = asyncio.run(run())
     assert refusal.error_status == 503 and "device lost" in refusal.error_message
+    # recorded as an abort with no time to a first token
+    assert metrics.calls == [(0, 0, None, "abort")]
 
 
 class ReplicaMetricsStub:
-    def request_finished(self, *args: object) -> None:
-        raise AssertionError("a request that never produced a token is not recorded")
+    """What the replica reports of each finished request (its end-to-end time left out)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def request_finished(self, prompt_tokens: int, output_tokens: int, ttft_s: float | None, e2e_s: float,
+                         reason: str) -> None:
+        self.calls.append((prompt_tokens, output_tokens, ttft_s, reason))
 
 
 def test_partial_sections_keep_their_own_defaults() -> None:
