@@ -90,15 +90,14 @@ class EngineServer:
         ttft = None if first_token_at is None else first_token_at - arrival
         self.metrics.request_finished(prompt_tokens, output_tokens, ttft, time.monotonic() - arrival, reason)
 
-    async def _stream(self, req: GenerateRequest, arrival: float | None = None) -> AsyncIterator[GenerateChunk]:
+    async def _stream(self, req: GenerateRequest, arrival: float) -> AsyncIterator[GenerateChunk]:
         """Runs `req` on the local engine; refusals become one refusal chunk, metrics are recorded at the end,
-        its times from `arrival` (by default now).
+        its times from `arrival` (when the replica received it).
 
         A request the engine ended on its own error gets a 500 chunk (counted as
         `finished_error`) while this replica stays healthy; a dead engine gets 503. A refusal is not counted as
         a finished request.
         """
-        arrival = time.monotonic() if arrival is None else arrival
         first_token_at: float | None = None
         refused = False
         prompt_tokens = output_tokens = 0

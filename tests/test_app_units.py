@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -412,7 +413,7 @@ def test_health_check_fails_once_the_engine_loop_died(tiny_dir: Path) -> None:
 
         server.engine.engine.step = boom
         request = GenerateRequest("r1", [5, 6, 7], SamplingParams(max_tokens=4))
-        chunks = [c async for c in server._stream(request)]
+        chunks = [c async for c in server._stream(request, time.monotonic())]
         with pytest.raises(RuntimeError, match="device lost"):
             await server.check_health()
         server.engine.shutdown()

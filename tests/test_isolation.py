@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -156,7 +157,7 @@ def test_replica_answers_a_failed_request_with_500_and_stays_healthy(tiny_dir: P
         _fail_stop_check(server.engine.engine, "victim", after_tokens=2)
 
         async def chunks(rid: str) -> list[GenerateChunk]:
-            return [c async for c in server._stream(GenerateRequest(rid, [5, 6, 7], _params(6)))]
+            return [c async for c in server._stream(GenerateRequest(rid, [5, 6, 7], _params(6)), time.monotonic())]
 
         try:
             failed, ok = await asyncio.gather(chunks("victim"), chunks("ok"))
