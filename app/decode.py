@@ -52,7 +52,7 @@ class DecodeServer(EngineServer):
         try:
             self.engine.engine.validate(req.prompt_token_ids, req.params)
         except InvalidRequestError as exc:
-            yield GenerateChunk.refusal(400, str(exc))
+            yield GenerateChunk.invalid(exc)
             return
         if self._prefill is not None and self.engine.is_healthy():
             try:

@@ -113,7 +113,7 @@ class EngineServer:
                     yield GenerateChunk.of(output)
         except InvalidRequestError as exc:
             refused = True
-            yield GenerateChunk.refusal(400, str(exc))
+            yield GenerateChunk.invalid(exc)
             return
         except RequestFailedError as exc:
             reason = "error"

@@ -69,6 +69,12 @@ class EngineLiveness:
         return time.monotonic() - self._last < self._window_s
 
 
+def refusal_error(chunk: GenerateChunk, kind: str) -> APIError:
+    """A decode replica's refusal as the API's error; the engine's `prompt` is a chat's rendered `messages`."""
+    param = "messages" if chunk.error_param == "prompt" and kind == "chatcmpl" else chunk.error_param
+    return APIError(chunk.error_status or 500, chunk.error_message, param, chunk.error_code)
+
+
 class DecodeStream:
     """The chunks of one decode call, each shown to `liveness`; closing it early cancels the call (and so the
     request)."""
@@ -167,7 +173,7 @@ class OpenAIIngress:
                 seed=body.seed, stop=stop, ignore_eos=body.ignore_eos, stop_token_ids=stop_ids,
             )
         except InvalidRequestError as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), exc.param) from None
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         """Token ids a client sends (a prompt, stop ids) must be ones the tokenizer can decode (what /detokenize
@@ -216,7 +222,7 @@ class OpenAIIngress:
             response.cancel()
             raise
         if first.error_status is not None:
-            raise APIError(first.error_status, first.error_message)
+            raise refusal_error(first, kind)
         return request_id, DecodeStream(response, first, self._liveness)
 
     @staticmethod

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.llm_engine import RequestOutput
-from engine.request import SamplingParams
+from engine.request import InvalidRequestError, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class GenerateChunk:
     num_output_tokens: int = 0
     error_status: int | None = None  # HTTP status of a refusal
     error_message: str = ""
+    error_param: str | None = None  # the field at fault, in the engine's terms (`prompt`, `max_tokens`, ...)
+    error_code: str | None = None  # OpenAI's error code, where one applies
 
     @classmethod
     def of(cls, output: RequestOutput) -> GenerateChunk:
@@ -49,6 +51,12 @@ class GenerateChunk:
     @classmethod
     def refusal(cls, status: int, message: str) -> GenerateChunk:
         return cls(finished=True, error_status=status, error_message=message)
+
+    @classmethod
+    def invalid(cls, exc: InvalidRequestError) -> GenerateChunk:
+        """The engine's refusal of a request, as a 400 naming the field at fault."""
+        return cls(finished=True, error_status=400, error_message=str(exc), error_param=exc.param,
+                   error_code=exc.code)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ from typing import Any, Literal
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.request import MAX_TOKEN_ID
+
 MAX_MESSAGES = 4096
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -31,10 +33,10 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TOOLS = 512
 # torch.Generator takes any seed in [-2**63, 2**64): anything beyond is the client's mistake.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-# The bound of the other integer sampling fields. top_k reaches the sampler's int64 tensors, where a value
-# beyond 64 bits stops the engine loop, and any top_k above the vocabulary already means no cut; the fields
-# refused away from their neutral values keep the same bound, so a huge one is refused by name alike.
-INT32_MAX = 2**31 - 1
+# The bound of the other integer sampling fields: the engine's own bound on top_k and token ids (a top_k beyond
+# 64 bits stopped the engine loop in the sampler's int64 tensors, and any top_k above the vocabulary already means
+# no cut); the fields refused away from their neutral values keep the same bound, so a huge one is refused by name.
+INT32_MAX = MAX_TOKEN_ID
 
 
 class _Body(BaseModel):

@@ -52,6 +52,9 @@ from residency.stats import StateCounter
 
 logger = logging.getLogger(__name__)
 
+# OpenAI's code for a request longer than the model can hold: agents trim their history on it.
+_TOO_LONG = "context_length_exceeded"
+
 
 @dataclass
 class RequestOutput:
@@ -196,26 +199,32 @@ class LLMEngine:
         """Raises `InvalidRequestError` with a client-facing message for a request that cannot run."""
         n = len(prompt_token_ids)
         if n == 0:
-            raise InvalidRequestError("the prompt is empty")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
         # checked in C (types, then the extremes) and searched item by item only when wrong: an agent's
         # prompt has up to a million ids, and this runs on the engine's thread
         if set(map(type, prompt_token_ids)) != {int} or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             bad = [t for t in prompt_token_ids if type(t) is not int or not 0 <= t < vocab]
-            raise InvalidRequestError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+            raise InvalidRequestError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}", "prompt")
         if n >= self.max_model_len:
             raise InvalidRequestError(
                 f"the prompt has {n} tokens; this model's maximum context length is {self.max_model_len} "
-                "and at least one token must be generated"
+                "and at least one token must be generated", "prompt", _TOO_LONG
             )
         longest = min(n + params.max_tokens, self.max_model_len)
-        pages = self.kv.pages_for_tokens(longest)
-        if pages <= self.kv.pool.num_pages or self._fits_with_host(longest):
+        if self._fits(longest):
             return
+        pages = self.kv.pages_for_tokens(longest)
+        # lowering max_tokens helps only when the prompt and its first token fit
+        at_fault, remedy = ("max_tokens", "lower max_tokens") if self._fits(n + 1) else ("prompt", "shorten the prompt")
         raise InvalidRequestError(
             f"the request needs up to {longest} tokens of KV ({pages} pages) but the KV pool has "
-            f"{self.kv.pool.num_pages} pages; lower max_tokens or shorten the prompt"
+            f"{self.kv.pool.num_pages} pages; {remedy}", at_fault, _TOO_LONG
         )
+
+    def _fits(self, num_tokens: int) -> bool:
+        """Whether a request of this many tokens can run: in the GPU pool whole, or through the host pool."""
+        return self.kv.pages_for_tokens(num_tokens) <= self.kv.pool.num_pages or self._fits_with_host(num_tokens)
 
     def _fits_with_host(self, num_tokens: int) -> bool:
         """Whether `hybrid` can run a request the GPU pool cannot hold whole: the GPU keeps its
@@ -568,8 +577,9 @@ class LLMEngine:
         if self.residency is not None:
             host = self.residency.host
             residency = dict(vars(self.residency.stats))
-            residency.update(mirror_backlog=self.residency.mirror_backlog, host_pages=host.num_pages, host_pages_in_use=host.num_in_use(),
-                             host_pages_cached=host.cache.num_cached, hot_rows=self.residency.hot.hot_rows)
+            residency.update(mirror_backlog=self.residency.mirror_backlog, host_pages=host.num_pages,
+                             host_pages_in_use=host.num_in_use(), host_pages_cached=host.cache.num_cached,
+                             hot_rows=self.residency.hot.hot_rows)
         return {
             "policy": self.config.hisparse.policy,
             "requests_by_state": self.state_counter.summary(),

@@ -24,7 +24,16 @@ PENDING = -1
 
 
 class InvalidRequestError(ValueError):
-    """A submission the engine refuses; the message is meant for the client."""
+    """A submission the engine refuses; the message is meant for the client.
+
+    `param` names the request field at fault in the engine's terms (`prompt`, `max_tokens`, a sampling field) and
+    `code` is OpenAI's error code where one applies (`context_length_exceeded`), so an agent that trims its history
+    on that code does so whichever layer refused the request.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclass(frozen=True)
@@ -42,20 +51,20 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "max_tokens")
         if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOKEN_ID:
-            raise InvalidRequestError(f"top_k must be an integer in [0, {MAX_TOKEN_ID}], got {self.top_k!r}")
+            raise InvalidRequestError(f"top_k must be an integer in [0, {MAX_TOKEN_ID}], got {self.top_k!r}", "top_k")
         if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise InvalidRequestError("stop strings must be non-empty strings")
+            raise InvalidRequestError("stop strings must be non-empty strings", "stop")
         if any(not isinstance(t, int) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be integers in [0, {MAX_TOKEN_ID}], got "
-                                      f"{self.stop_token_ids!r}")
+                                      f"{self.stop_token_ids!r}", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -164,8 +164,9 @@ def test_errors_through_the_client_and_serving_after(client: openai.OpenAI) -> N
         client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError, match="admits at most"):
         client.chat.completions.create(**_chat("word " * 3000), max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="token ids must be"):  # refused by the decode engine
+    with pytest.raises(openai.BadRequestError, match="token ids must be") as refused:  # by the decode engine
         client.completions.create(model=MODEL, prompt=[5, 10**6], max_tokens=4)
+    assert refused.value.param == "prompt"
     assert client.chat.completions.create(**_chat("still there?"), max_tokens=4).choices[0].message is not None
 
 

@@ -24,8 +24,8 @@ from ray.serve.request_router import PendingRequest
 from app.body_limit import BodyLimitMiddleware
 from app.config import AppConfig, ConfigError, EngineArgs
 from app.decode import DecodeServer
-from app.errors import APIError, invalid_request
-from app.ingress import EngineLiveness
+from app.errors import APIError, error_body, invalid_request
+from app.ingress import EngineLiveness, refusal_error
 from app.logs import log_cancellations_briefly
 from app.main import build_app
 from app.messages import GenerateChunk, GenerateRequest
@@ -40,7 +40,7 @@ from engine.linear import WeightFormat
 from engine.llm_engine import LLMEngine
 from engine.memory_plan import GIB, MemoryBudget, num_gpu_pages, weight_bytes
 from engine.model_config import ModelConfig
-from engine.request import SamplingParams
+from engine.request import InvalidRequestError, SamplingParams
 from engine.tiny import shaped_config
 from engine.tokenizer import Tokenizer
 from engine.tp.sharding import check_shardable
@@ -596,6 +596,25 @@ def test_engine_liveness_counts_generated_text_only() -> None:
     expired = EngineLiveness(window_s=0)
     expired.saw(GenerateChunk(text_delta="a", num_output_tokens=1))
     assert not expired.recent()
+
+
+def test_engine_refusals_name_the_field_at_fault(tiny_dir: Path) -> None:
+    """A request the engine refuses reaches the client naming the field to change, with OpenAI's code for a request
+    too long: an agent can trim its history on `context_length_exceeded` whether the ingress or the engine refused."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_dir), num_gpu_pages=4))
+    refusals = []
+    for prompt, max_tokens in (([7] * 300, 10), ([7] * 2 * engine.kv.page_size, 3 * engine.kv.page_size), ([], 4)):
+        with pytest.raises(InvalidRequestError) as refused:
+            engine.validate(prompt, SamplingParams(max_tokens=max_tokens))
+        refusals.append(GenerateChunk.invalid(refused.value))
+    too_long, too_many, empty = refusals
+    for kind, prompt_param in (("chatcmpl", "messages"), ("cmpl", "prompt")):
+        error = refusal_error(too_long, kind)
+        body = error_body(error.status, error.message, error.param, error.code)["error"]
+        assert (body["param"], body["code"], body["type"]) == (prompt_param, "context_length_exceeded",
+                                                               "invalid_request_error")
+        assert refusal_error(too_many, kind).param == "max_tokens"
+        assert (refusal_error(empty, kind).param, refusal_error(empty, kind).code) == (prompt_param, None)
 
 
 def test_cancelled_ray_tasks_are_logged_in_one_line(caplog: pytest.LogCaptureFixture) -> None:

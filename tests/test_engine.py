@@ -180,21 +180,23 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_dir: Path) -
 
 
 @pytest.mark.parametrize(
-    ("prompt", "params", "message"),
+    ("prompt", "params", "message", "code"),
     [
-        ([], greedy(4), "empty"),
-        ([1, 2, 100000], greedy(4), "token ids"),
-        ([1, -3], greedy(4), "token ids"),
-        ([1, True, 2], greedy(4), "token ids"),
-        ([1, 2.0], greedy(4), "token ids"),
-        (["1", 2], greedy(4), "token ids"),
-        (list(range(10)) * 60, greedy(4), "maximum context length"),
+        ([], greedy(4), "empty", None),
+        ([1, 2, 100000], greedy(4), "token ids", None),
+        ([1, -3], greedy(4), "token ids", None),
+        ([1, True, 2], greedy(4), "token ids", None),
+        ([1, 2.0], greedy(4), "token ids", None),
+        (["1", 2], greedy(4), "token ids", None),
+        (list(range(10)) * 60, greedy(4), "maximum context length", "context_length_exceeded"),
     ],
 )
-def test_invalid_requests_are_refused_clearly(tiny_dir: Path, prompt: list[int], params, message: str) -> None:
+def test_invalid_requests_are_refused_clearly(tiny_dir: Path, prompt: list[int], params, message: str,
+                                              code: str | None) -> None:
     engine = make_engine(tiny_dir, max_model_len=512)
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(InvalidRequestError, match=message) as refused:
         engine.add_request("bad", prompt, params)
+    assert (refused.value.param, refused.value.code) == ("prompt", code)
     [ok] = engine.generate([[1, 2, 3]], [greedy(3)])  # the engine keeps serving
     assert len(ok.token_ids) == 3
     assert_pages_released(engine)
@@ -214,14 +216,24 @@ def test_invalid_requests_are_refused_clearly(tiny_dir: Path, prompt: list[int],
     ],
 )
 def test_invalid_sampling_values(kwargs: dict, message: str) -> None:
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(InvalidRequestError, match=message) as refused:
         SamplingParams(**kwargs)
+    assert refused.value.param == message  # the field at fault, for the error's `param`
 
 
 def test_request_larger_than_pool_is_refused(tiny_dir: Path) -> None:
+    """The refusal names what the client can change, with OpenAI's code for a request too long (agents trim their
+    history on it): the prompt when it alone does not fit, else max_tokens."""
     engine = make_engine(tiny_dir, num_gpu_pages=4)
-    with pytest.raises(InvalidRequestError, match="KV pool"):
+    page = engine.kv.page_size
+    with pytest.raises(InvalidRequestError, match="KV pool") as refused:
         engine.add_request("big", _prompt(300, 1), greedy(10))
+    assert (refused.value.param, refused.value.code) == ("prompt", "context_length_exceeded")
+    with pytest.raises(InvalidRequestError, match="lower max_tokens") as refused:
+        engine.add_request("long", _prompt(2 * page, 1), greedy(3 * page))
+    assert (refused.value.param, refused.value.code) == ("max_tokens", "context_length_exceeded")
+    [ok] = engine.generate([_prompt(2 * page, 1)], [greedy(4)])  # the same prompt with fewer tokens runs
+    assert len(ok.token_ids) == 4
 
 
 def test_prefix_moves_between_engines(tiny_dir: Path) -> None:
