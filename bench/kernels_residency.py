@@ -339,28 +339,32 @@ def bench_plan_graph(layout, gpu_pool, host_pool, log) -> list[dict]:
         for ways, bins in [f for f in SEARCH_FORMS if f != default] + [default]:
             resolve._SEARCH_WAYS, resolve._SEARCH_BINS = ways, bins
             us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table, stamp.dtype,
-                                                       rmap.dtype, step_s, gpu_pool, None, resolve.PAGE_SIZE, 8),
-                          20, setup=reset) * 1e3
+                                                       rmap.dtype, step_s, gpu_pool, None, resolve.PAGE_SIZE, 8,
+                                                       HOT_ROWS), 20, setup=reset) * 1e3
             form = f"{ways} probe{'s' if ways > 1 else ''} a round{f', first {bins} bins' if bins else ''}"
             rows.append(dict(what=f"plan kernel (table built once; {form})", miss_rate=rate, warps=8, us=us))
             log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}): {us:.2f} us")
         # other table dtypes, the default form: the engine's (int64 stamps, int32 reverse map:
-        # residency/hot_buffer.py) and each of its two halves beside the bench's int32 / int16
+        # residency/hot_buffer.py) and each of its two halves beside the bench's int32 / int16; and each with
+        # the plan that also serves leases past one chunk of slots (what a launch without a bound compiles)
         for stamp_dtype, map_dtype in ((torch.int64, torch.int32), (torch.int64, torch.int16),
-                                       (torch.int32, torch.int32)):
+                                       (torch.int32, torch.int32), (torch.int32, torch.int16)):
             stamp_x, rmap_x = stamp.to(stamp_dtype), rmap.to(map_dtype)
             table_x, step_x = resolve._stacked_lease_table(hot, held, stamp_x, rmap_x), step_t.to(stamp_dtype)
             reset_x = (lambda: (reset(), stamp_x.copy_(pristine[1]), rmap_x.copy_(pristine[2]))) if rate else None
-            us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table_x, stamp_dtype,
-                                                       map_dtype, step_x, gpu_pool, None, resolve.PAGE_SIZE, 8),
-                          20, setup=reset_x) * 1e3
-            dtypes = f"{str(stamp_dtype)[6:]} stamps, {str(map_dtype)[6:]} map"
-            rows.append(dict(what=f"plan kernel (table built once; {form}; {dtypes})", miss_rate=rate, warps=8, us=us))
-            log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}, {dtypes}): {us:.2f} us")
+            for bound in (HOT_ROWS, None):
+                us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table_x,
+                                                           stamp_dtype, map_dtype, step_x, gpu_pool, None,
+                                                           resolve.PAGE_SIZE, 8, bound), 20, setup=reset_x) * 1e3
+                dtypes = f"{str(stamp_dtype)[6:]} stamps, {str(map_dtype)[6:]} map"
+                plan = "one-chunk plan" if resolve.one_chunk(bound) else "any-size plan"
+                rows.append(dict(what=f"plan kernel (table built once; {form}; {dtypes}; {plan})", miss_rate=rate,
+                                 warps=8, us=us))
+                log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}, {dtypes}, {plan}): {us:.2f} us")
         for warps in (4, 16):  # the default form at other widths
             us = graph_ms(lambda: resolve._launch_plan(topk_pos, counts, gpu_pages, host_pages, table, stamp.dtype,
-                                                       rmap.dtype, step_s, gpu_pool, None, resolve.PAGE_SIZE, warps),
-                          20, setup=reset) * 1e3
+                                                       rmap.dtype, step_s, gpu_pool, None, resolve.PAGE_SIZE, warps,
+                                                       HOT_ROWS), 20, setup=reset) * 1e3
             rows.append(dict(what=f"plan kernel (table built once; {form})", miss_rate=rate, warps=warps, us=us))
             log(f"  graph plan kernel B=100 miss={rate:.0%} ({form}, {warps} warps): {us:.2f} us")
         us = graph_ms(lambda: resolve.resolve_group(*args), 20, setup=reset) * 1e3

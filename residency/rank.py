@@ -16,7 +16,8 @@ identical across ranks (`digests` lets tests and integrity checks compare).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,9 @@ class DecodeLeases:
     lease_table: torch.Tensor  # [G, D, LEASE_WIDTH] int64 the same tables by address, on the device
     step: torch.Tensor  # [1] int64 LRU stamp of the step, on the device
     rows_per_lease: int = 1  # consecutive rows of each request (a verifying step's k + 1), every row: rows None
+    # the most hot slots a lease of the step holds, at every replay of a captured step (None: any number); the
+    # resolve's plan is compiled for it (`resolve.one_chunk`)
+    max_rows: int | None = None
 
 
 class RankResidency:
@@ -77,18 +81,20 @@ class RankResidency:
     def warm_up(self, topk: int) -> None:
         """Compiles the resolve kernels for this pool before the first step: a compile takes about a
         second, and a serving step must not wait for one. Each resolves one resident position, so no
-        table, slot or page changes. Nothing to compile off the GPU."""
+        table, slot or page changes; both plans compile, for leases of one chunk and of any size. Nothing to
+        compile off the GPU."""
         if not self.pool.is_cuda:
             return
         dev = self.pool.device
-        lease = [HotTables.new((0,), 1, PAGE_SIZE, dev).lease(0)]
+        table = resolve.lease_table([HotTables.new((0,), 1, PAGE_SIZE, dev).lease(0)]).to(dev)
         page = torch.zeros(1, 1, dtype=torch.int32, device=dev)  # logical page 0 is GPU page 0
         count = torch.ones(1, dtype=torch.int32, device=dev)
         for width in sorted({topk, _UNION_PIECE}):
             positions = torch.zeros(1, width, dtype=torch.int32, device=dev)
-            for group in range(self.num_groups):
-                resolve.resolve_leases(positions, count, page, page, lease, 0, self.group_offsets[group],
-                                       self.group_run_bytes[group], self.pool, self.host)
+            for max_rows, group in itertools.product((PAGE_SIZE, None), range(self.num_groups)):
+                resolve.resolve_lease_table(positions, count, page, page, table, _STAMP_DTYPE, _MAP_DTYPE, 0,
+                                            self.group_offsets[group], self.group_run_bytes[group], self.pool,
+                                            self.host, max_rows=max_rows)
 
     # --- leases ----------------------------------------------------------------------
 
@@ -102,6 +108,14 @@ class RankResidency:
 
     def close_lease(self, request_id: str) -> None:
         del self.tables[request_id]
+
+    def wide_leases(self, specs: Iterable[NonResidentSpec]) -> bool:
+        """Whether some lease of these requests holds more hot slots than the resolve's one-chunk plan searches
+        (`resolve.one_chunk`): a captured step's shape records it, so a replay never meets a lease wider than
+        the plan it captured. A decode lease holds the configured hot rows (2 x top-K by default: one chunk);
+        an extend's or a verifying step's rows, or a setting above 4,096 rows, make it wider."""
+        widest = max((self.tables[spec.request_id].hot_slots.numel() for spec in specs), default=0)
+        return not resolve.one_chunk(widest)
 
     def digests(self) -> dict[str, str]:
         """A hash of each lease's tables: equal across ranks when they resolved in lockstep."""
@@ -197,7 +211,7 @@ class RankResidency:
         for i in range(pieces):
             piece = slice(i, i + 1)
             result = self._resolve(union[piece], counts[piece], gpu, host, table, lease, step, group,
-                                   out=union_slots[piece])
+                                   out=union_slots[piece], max_rows=resolve.widest_lease(lease))
             copied.append(result.num_copied)
         union, union_slots = union.view(-1), union_slots.view(-1)
         at = torch.searchsorted(union, positions.to(torch.int32).contiguous()).clamp(max=union.numel() - 1)
@@ -233,6 +247,7 @@ class RankResidency:
             leases=leases,
             lease_table=table.to(dev, non_blocking=True),
             step=torch.tensor([step], dtype=torch.int64).to(dev, non_blocking=True),
+            max_rows=resolve.widest_lease(leases[0]),
         )
 
     def resolve_decode(self, decode: DecodeLeases, group: int, positions: torch.Tensor,
@@ -273,18 +288,19 @@ class RankResidency:
                         ) -> resolve.ResolveResult:
         """One resolve of positions [D, K] (int32, unique within a row), one row per lease of `decode`."""
         return self._resolve(positions, lens, decode.gpu_pages, decode.host_pages, decode.lease_table[group],
-                             decode.leases[group], decode.step, group)
+                             decode.leases[group], decode.step, group, max_rows=decode.max_rows)
 
     def _resolve(self, positions: torch.Tensor, lens: torch.Tensor, gpu_pages: torch.Tensor,
                  host_pages: torch.Tensor, table: torch.Tensor, leases: Sequence[LeaseState | None],
-                 step: int | torch.Tensor, group: int, out: torch.Tensor | None = None) -> resolve.ResolveResult:
+                 step: int | torch.Tensor, group: int, out: torch.Tensor | None = None,
+                 max_rows: int | None = None) -> resolve.ResolveResult:
         """One resolve of positions [D, K] for the group, one row per lease: on the GPU the kernels, which
-        read the tables by address from `table` [D, LEASE_WIDTH] on the device; elsewhere the PyTorch twin,
-        which reads `leases`."""
+        read the tables by address from `table` [D, LEASE_WIDTH] on the device (`max_rows`: the bound on
+        their hot slots the caller keeps); elsewhere the PyTorch twin, which reads `leases`."""
         tail = (step, self.group_offsets[group], self.group_run_bytes[group], self.pool, self.host)
         if self.pool.is_cuda:
             return resolve.resolve_lease_table(positions, lens, gpu_pages, host_pages, table, _STAMP_DTYPE,
-                                               _MAP_DTYPE, *tail, out=out)
+                                               _MAP_DTYPE, *tail, out=out, max_rows=max_rows)
         return resolve.resolve_leases_reference(positions, lens, gpu_pages, host_pages, leases, *tail, out=out)
 
     def _count(self, group: int, lookups: torch.Tensor, misses: torch.Tensor,

@@ -46,6 +46,7 @@ def test_buffered_decode_matches_eager_under_pressure(tiny_dir: Path) -> None:
     # Decode steps of every kind went through the buffers: with and without host-only pages, greedy and
     # filtered sampling, padded (3 requests run as 4) and not.
     assert any(k.resolves for k in runs) and any(not k.resolves for k in runs), runs
+    assert not any(k.wide_leases for k in runs), runs  # configured leases: the one-chunk resolve plan
     assert {k.sampler for k in runs} == {"greedy", "filtered"} and {k.rows for k in runs} >= {2, 4}, runs
     assert sum(runs.values()) >= NEW_TOKENS - 1
     stats = buffered.stats()

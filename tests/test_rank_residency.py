@@ -13,6 +13,7 @@ import torch
 
 from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
+from kernels.resolve import one_chunk_rows
 from residency import rank as rank_residency
 from residency.rank import TALLY_SIZE, NonResidentSpec, RankResidency, counts_of
 from residency.stats import ResolveCounts
@@ -138,3 +139,19 @@ def test_a_resized_lease_keeps_the_rows_of_the_slots_that_stay(tiny_dir: Path) -
     assert counts.hot_misses == groups * 20
     with pytest.raises(ValueError):
         residency.resize_lease("r", [17, 16], num_tokens)  # slots would change places
+
+
+def test_a_lease_past_one_chunk_is_wide(tiny_dir: Path) -> None:
+    """A captured step compiles the resolve plan for leases of one chunk of slots unless a lease of the step is
+    wider: the configured 2 x top-K lease (4,096 slots for GLM-5.3) is not, an extend's grown lease is."""
+    layout = KVLayout.for_model(ModelConfig.from_dir(tiny_dir), "bf16")
+    pool = torch.zeros(80, layout.page_bytes, dtype=torch.uint8)
+    residency = _rank_residency(layout, pool, torch.zeros(4, layout.page_bytes, dtype=torch.uint8))
+    one_chunk_pages = one_chunk_rows() // PAGE
+    residency.open_lease("a", range(one_chunk_pages), 8 * PAGE)
+    residency.open_lease("b", [one_chunk_pages], 8 * PAGE)
+    specs = [NonResidentSpec(rid, torch.full((8,), -1, dtype=torch.int32), torch.arange(8, dtype=torch.int32), 8 * PAGE)
+             for rid in ("a", "b")]
+    assert not residency.wide_leases(specs) and not residency.wide_leases([])
+    residency.resize_lease("a", range(one_chunk_pages + 1), 8 * PAGE)  # an extend grows it past one chunk
+    assert residency.wide_leases(specs) and not residency.wide_leases(specs[1:])

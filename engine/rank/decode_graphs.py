@@ -43,7 +43,7 @@ from engine.kv_layout import KVLayout
 from engine.model import GlmMoeDsaForCausalLM
 from engine.rank.step import StepInput
 from engine.sampler import SamplerMode, SamplingBatch
-from kernels import pdl
+from kernels import pdl, resolve
 from kernels.resolve import LEASE_WIDTH
 from residency.rank import DecodeLeases, NonResidentSpec, RankResidency
 
@@ -96,6 +96,7 @@ class GraphKey:
     context: int  # page-table width in tokens, the indexer's scoring width
     resolves: bool  # some request has host-only pages: the residency resolve runs for every row
     sampler: SamplerMode
+    wide_leases: bool = False  # some lease is wider than the resolve's one-chunk plan (`RankResidency.wide_leases`)
 
 
 # the dtypes a step stages, as the host twin's numpy views hold them
@@ -212,10 +213,12 @@ class DecodeGraphs:
 
     # --- which steps -------------------------------------------------------------------
 
-    def key_for(self, step: StepInput) -> GraphKey | None:
+    def key_for(self, step: StepInput, residency: RankResidency | None) -> GraphKey | None:
         """The shape `step` runs as, or None when it must run eagerly."""
         bucket = shape_bucket(self.batch_sizes, self.widths, step) if step.is_decode else None
-        return None if bucket is None else GraphKey(*bucket, bool(step.nonresident), step.sampling.mode)
+        if bucket is None:
+            return None
+        return GraphKey(*bucket, bool(step.nonresident), step.sampling.mode, wide_leases(step, residency))
 
     def capture_common(self, residency: RankResidency | None) -> None:
         """Captures the greedy shapes at the narrowest width, largest first (they share one memory pool),
@@ -294,7 +297,9 @@ class DecodeGraphs:
     def _batch(self, key: GraphKey, residency: RankResidency | None) -> ForwardBatch:
         """The key's `ForwardBatch`: views of the buffers (the same tensors at every replay)."""
         pages, _ = table_pages(self.layout, key.context)
-        decode = lease_views(self.buffers, key.rows, pages, len(self.layout.group_sizes)) if key.resolves else None
+        decode = None
+        if key.resolves:
+            decode = lease_views(self.buffers, key.rows, pages, len(self.layout.group_sizes), key.wide_leases)
         return buffered_batch(self.buffers, self.layout, key.rows, 1, key.context, decode, residency)
 
 
@@ -416,13 +421,20 @@ def lease_buffers(rows: int, pages: int, groups: int) -> dict[str, tuple[int, to
             "lease_table": (groups * rows * LEASE_WIDTH, torch.long), "step": (1, torch.long)}
 
 
-def lease_views(buffers: StepBuffers, rows: int, pages: int, groups: int, rows_per_lease: int = 1) -> DecodeLeases:
+def wide_leases(step: StepInput, residency: RankResidency | None) -> bool:
+    """Whether a lease of the step's requests with host-only pages is wider than the one-chunk resolve plan."""
+    return residency is not None and residency.wide_leases(step.nonresident.values())
+
+
+def lease_views(buffers: StepBuffers, rows: int, pages: int, groups: int, wide: bool,
+                rows_per_lease: int = 1) -> DecodeLeases:
     """A shape's `DecodeLeases` over the buffers (the same tensors at every replay); its per-step leases are
-    set by `stage_leases`."""
+    set by `stage_leases`. `wide`: its leases may be wider than the resolve's one-chunk plan (the shape's key
+    says; a shape without wide leases captures that plan)."""
     view = buffers.view
     return DecodeLeases(rows=None, gpu_pages=view("gpu_pages", rows, pages), host_pages=view("host_pages", rows, pages),
                         leases=[], lease_table=view("lease_table", groups, rows, LEASE_WIDTH), step=view("step", 1),
-                        rows_per_lease=rows_per_lease)
+                        rows_per_lease=rows_per_lease, max_rows=None if wide else resolve.one_chunk_rows())
 
 
 def stage_leases(buffers: StepBuffers, rows: int, pages: int, step: StepInput | None,

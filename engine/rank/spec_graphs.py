@@ -37,7 +37,7 @@ from engine.model import GlmMoeDsaForCausalLM
 from engine.rank.decode_graphs import (
     SAMPLING_PADDING, CapturedShapes, GraphConfig, Sampler, StepBuffers, batch_sizes, buffered_batch, context_widths,
     lease_buffers, lease_views, sampling_buffers, sampling_views, scratch_slots, shape_bucket, stage_leases,
-    table_pages,
+    table_pages, wide_leases,
 )
 from engine.rank.speculative import speculative_step
 from engine.rank.step import DraftInput, StepInput
@@ -53,6 +53,7 @@ class SpecGraphKey:
     context: int  # page-table width in tokens, the indexer's scoring width
     resolves: bool  # some request has host-only pages: the residency resolve runs for every request
     sampler: SamplerMode
+    wide_leases: bool = False  # some lease is wider than the resolve's one-chunk plan (`RankResidency.wide_leases`)
 
 
 class SpecGraphs:
@@ -91,12 +92,14 @@ class SpecGraphs:
     def is_captured(self, key: SpecGraphKey) -> bool:
         return key in self.shapes
 
-    def key_for(self, step: StepInput) -> SpecGraphKey | None:
+    def key_for(self, step: StepInput, residency: RankResidency | None) -> SpecGraphKey | None:
         """The shape `step` runs as, or None when it must run eagerly: it has rows that sample nothing (a
         prefill chunk), or more requests or context than the buffers hold."""
         every_row_samples = step.draft is not None and step.num_logits == int(step.input_ids.shape[0])
         bucket = shape_bucket(self.batch_sizes, self.widths, step) if every_row_samples else None
-        return None if bucket is None else SpecGraphKey(*bucket, bool(step.nonresident), step.sampling.mode)
+        if bucket is None:
+            return None
+        return SpecGraphKey(*bucket, bool(step.nonresident), step.sampling.mode, wide_leases(step, residency))
 
     def launch(self, key: SpecGraphKey, step: StepInput, residency: RankResidency | None) -> torch.Tensor:
         """Runs `step` as `key` (replays its graph, or runs through the buffers and captures after, on a
@@ -217,5 +220,6 @@ class SpecGraphs:
         per, (pages, _) = self.k + 1, table_pages(self.layout, key.context)
         decode = None
         if key.resolves:
-            decode = lease_views(self.buffers, key.requests, pages, len(self.layout.group_sizes), rows_per_lease=per)
+            decode = lease_views(self.buffers, key.requests, pages, len(self.layout.group_sizes), key.wide_leases,
+                                 rows_per_lease=per)
         return buffered_batch(self.buffers, self.layout, key.requests, per, key.context, decode, residency)

@@ -165,8 +165,8 @@ class Worker:
         reads the inputs the host has not seen yet (`StepInput.prev_rows`)."""
         self._after_mirrors()
         step = step.with_page_tables(self.page_tables)
-        key = self.graphs.key_for(step) if self.graphs is not None else None
-        spec_key = self.spec_graphs.key_for(step) if self.spec_graphs is not None else None
+        key = self.graphs.key_for(step, self.residency) if self.graphs is not None else None
+        spec_key = self.spec_graphs.key_for(step, self.residency) if self.spec_graphs is not None else None
         if step.continues and (spec_key is None or self._spec_graph_launch != self.num_launched - 1):
             raise RuntimeError("a continued speculative step must follow one run through the same buffers")
         if spec_key is not None:
