@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.rank.decode_graphs import GraphKey
+from kernels import resolve
 from residency.config import HiSparseConfig
 from tests.helpers import assert_pages_released, greedy, make_engine
 
@@ -52,8 +53,13 @@ def _checked_replays(engine) -> list[GraphKey]:  # noqa: ANN001
     return replayed
 
 
-@pytest.mark.parametrize("pressure", [False, True], ids=["resident", "hybrid-pressure"])
-def test_graph_decode_matches_eager(tiny_dir: Path, pressure: bool) -> None:
+@pytest.mark.parametrize(("pressure", "wide"), [(False, False), (True, False), (True, True)],
+                         ids=["resident", "hybrid-pressure", "hybrid-pressure-wide-leases"])
+def test_graph_decode_matches_eager(tiny_dir: Path, pressure: bool, wide: bool, monkeypatch) -> None:
+    """`wide`: the resolve's one-chunk plan made narrower than the tiny model's 64-slot leases, so the captured
+    steps take the plan that searches leases in chunks (a lease past 4,096 slots at GLM-5.3's shapes)."""
+    if wide:
+        monkeypatch.setattr(resolve, "_R_BLOCK", 32)
     prompts = _prompts()
     params = [greedy(n) for n in (NEW_TOKENS, NEW_TOKENS * 3 // 4, NEW_TOKENS // 2, NEW_TOKENS // 2)]  # 4, 2, 1 running
     eager = _engine(tiny_dir, enforce_eager=True, pressure=pressure)
@@ -66,6 +72,7 @@ def test_graph_decode_matches_eager(tiny_dir: Path, pressure: bool) -> None:
     assert len(replayed) >= NEW_TOKENS - 8, graphs.steps_run
     if pressure:
         assert any(k.resolves for k in replayed), graphs.steps_run
+        assert {k.wide_leases for k in replayed if k.resolves} == {wide}, graphs.steps_run
         stats = engine.stats()
         assert stats["hot_misses"] > 0 and stats["hot_misses"] == eager.stats()["hot_misses"]
     assert_pages_released(engine)
