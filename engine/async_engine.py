@@ -113,9 +113,15 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
+        """Ends the request: a request still waiting in the inbox is taken out of it (the engine never sees it);
+        one the engine holds is aborted at the next drain. An abort queued beside its own add would reach the
+        engine first, find nothing, and the add would then run the request to its last token for nobody."""
         with self._lock:
-            self._aborts.append(request_id)
             self._streams.pop(request_id, None)
+            queued = len(self._adds)
+            self._adds = [add for add in self._adds if add[0] != request_id]
+            if len(self._adds) == queued:
+                self._aborts.append(request_id)
         self._wake.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:

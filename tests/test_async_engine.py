@@ -113,3 +113,32 @@ def test_a_call_its_caller_gave_up_on_is_dropped(engine: AsyncEngine) -> None:
 
     outputs, steps = asyncio.run(run())
     assert engine.is_healthy() and len(outputs) == 3 and steps >= 3
+
+
+def test_a_request_its_client_left_before_the_engine_took_it_never_runs(engine: AsyncEngine) -> None:
+    """A client that leaves while its request still waits in the inbox (the engine thread busy with a step or a
+    call) takes the request with it: it ran to its last token for nobody, holding a batch slot and KV pages."""
+    import threading
+
+    busy, release = threading.Event(), threading.Event()
+
+    def hold(_engine) -> None:  # noqa: ANN001 - keeps the engine thread away from its inbox
+        busy.set()
+        release.wait(10)
+
+    async def run() -> None:
+        held = asyncio.ensure_future(engine.run_in_engine(hold))
+        await asyncio.to_thread(busy.wait, 10)
+        stream = engine.generate([1, 2, 3, 4], SamplingParams(max_tokens=1500, ignore_eos=True), "gone")
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)  # the request is in the inbox, waiting for its first output
+        first.cancel()  # the client leaves
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        await stream.aclose()
+        release.set()
+        await held
+        assert await engine.run_in_engine(lambda e: (e.has_unfinished(), e.kv.num_pages_in_use())) == (False, 0)
+
+    asyncio.run(run())
+    assert engine.wait_idle(5) and engine.is_healthy()
