@@ -289,10 +289,13 @@ class OpenAIIngress:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of prompt and messages")
         if body.prompt is not None:
+            if body.chat_template_kwargs:
+                raise APIError(400, "chat_template_kwargs apply to messages, not to a prompt", "chat_template_kwargs")
             return await asyncio.to_thread(self._encode, body.prompt, "prompt")
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         messages = [m.for_template() for m in body.messages]
-        return await asyncio.to_thread(self._render, messages, tools, body.add_generation_prompt)
+        return await asyncio.to_thread(self._render, messages, tools, body.add_generation_prompt,
+                                       body.chat_template_kwargs)
 
     def detokenize(self, tokens: list[int]) -> str:
         self._check_ids(tokens, "tokens")

@@ -234,6 +234,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # as in chat: the count is the prompt chat would send
 
 
 class DetokenizeRequest(_Body):

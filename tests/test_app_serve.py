@@ -86,6 +86,18 @@ def test_models_health_and_tokenizer_routes(client: openai.OpenAI) -> None:
     assert httpx.post(f"{BASE}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": "hello world"}
     chat = httpx.post(f"{BASE}/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"][-1] == tokens_of("<|assistant|>\n")[-1]
+    # the count an agent budgets with is the prompt chat sends, template arguments included
+    counts = []
+    for kwargs in ({}, {"enable_thinking": False}):
+        body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": kwargs}
+        counted = httpx.post(f"{BASE}/tokenize", json=body).json()["count"]
+        reply = client.chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=1,
+                                               extra_body={"chat_template_kwargs": kwargs})
+        assert counted == reply.usage.prompt_tokens
+        counts.append(counted)
+    assert counts[0] != counts[1]
+    refused = httpx.post(f"{BASE}/tokenize", json={"prompt": "hi", "chat_template_kwargs": {"enable_thinking": False}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
 
 
 def tokens_of(text: str) -> list[int]:
