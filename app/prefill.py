@@ -1,7 +1,9 @@
 """The prefill deployment: computes prompts and exports their KV through the object store.
 
 Called by decode replicas only (never by the ingress). For each `PrefillRequest`
-it runs the prompt on its own engine with `max_tokens=1`, snapshots the cached
+it runs the prompt on its own engine with `max_tokens=1` (when the prompt's pages
+fit its GPU pool: else they could not all stay cached to be exported, and it
+computes nothing), snapshots the cached
 pages of the prompt, drops those the decode replica already holds, and publishes
 the rest as a `KVExport` (an Arrow record batch) in an object it owns. It
 returns the `KVHandle`; the decode replica reads the object. If this replica
@@ -30,14 +32,22 @@ class PrefillServer(EngineServer):
     async def prefill(self, req: PrefillRequest) -> KVHandle:
         """Computes `req`'s prompt and publishes the KV pages from `req.start_tokens` on."""
         ids = req.prompt_token_ids
-        num_cached = 0
-        async for output in self.engine.generate(ids, _ONE_TOKEN, f"{req.request_id}-prefill"):
-            num_cached = output.num_cached_tokens
+        kv = self.engine.engine.kv
+        computed = 0
+        if kv.pages_for_tokens(len(ids)) <= kv.pool.num_pages:
+            async for output in self.engine.generate(ids, _ONE_TOKEN, f"{req.request_id}-prefill"):
+                computed = len(ids) - output.num_cached_tokens
+            self.counters["prefills"] += 1
+        else:
+            # Its pages outgrow this replica's GPU pool: computed here, they could not all stay cached to be
+            # exported, and the decode replica would compute the prompt again. What is cached is exported.
+            logger.info("%s: a prompt of %d tokens needs more than this replica's %d KV pages; not computed here",
+                        req.request_id, len(ids), kv.pool.num_pages)
+            self.counters["prefills_too_large"] += 1
         snap = await self.engine.run_in_engine(lambda e: snapshot_prefix(e.kv, e.runner.executor, ids))
         export = export_snapshot(snap, self._config.model_id, self.engine.engine.layout, ids, req.start_tokens)
         handle = await publish(export)
-        self.counters["prefills"] += 1
-        self.counters["prefill_computed_tokens"] += len(ids) - num_cached
+        self.counters["prefill_computed_tokens"] += computed
         self.counters["exported_tokens"] += handle.num_transferred_tokens
         self.counters["exported_bytes"] += handle.num_bytes
         self.metrics.transfer("exported", handle.num_transferred_tokens, handle.num_bytes)

@@ -29,6 +29,7 @@ import torch
 
 from app.config import AppConfig
 from app.decode import DecodeServer
+from app.prefill import PrefillServer
 from app.messages import GenerateChunk, GenerateRequest, PrefillRequest
 from disagg.host_tier import KVHandle, fetch, publish
 from disagg.kv_export import FORMAT_VERSION, ExportMismatch, KVExport, export_snapshot, layout_facts
@@ -488,3 +489,33 @@ def test_decode_reuses_a_prefix_held_on_the_host_without_a_transfer(
     assert (last.finished, last.error_status, last.num_cached_tokens) == (True, None, 2 * PAGE)
     [reference] = make_engine(tiny_dir, num_gpu_pages=64).generate([next_turn], [greedy(4)])
     assert "".join(c.text_delta for c in chunks) == reference.text
+
+
+def _prefill_replica(tiny_dir: Path, num_gpu_pages: int) -> PrefillServer:
+    """A prefill replica's state without Serve."""
+    server = object.__new__(PrefillServer)
+    server._config = AppConfig.from_args({"model": {"path": str(tiny_dir)}})
+    server.engine = AsyncEngine(EngineConfig(model=str(tiny_dir), num_gpu_pages=num_gpu_pages))
+    server.counters, server.metrics = collections.Counter(), _Metrics()
+    return server
+
+
+def test_a_prompt_larger_than_the_prefill_pool_is_not_computed_there(tiny_dir: Path, ray_store: None) -> None:
+    """A prefill replica whose GPU pool cannot hold a prompt's pages would compute it and export nothing it could
+    keep, and the decode replica would compute it again: it answers at once with what it holds (nothing here). A
+    prompt that fits is computed and exported whole."""
+    server = _prefill_replica(tiny_dir, num_gpu_pages=2 * (PER_GROUP + 1))  # two indexer pages' worth
+
+    async def run(ids: list[int]) -> tuple[KVHandle, int]:
+        handle = await server.prefill(PrefillRequest("p", ids, 0))
+        return handle, await server.engine.run_in_engine(lambda e: e.num_steps)
+
+    try:
+        handle, steps = asyncio.run(run(_prompt(3 * PAGE, seed=30)))
+        assert (handle.num_pages, steps) == (0, 0)
+        assert server.counters["prefills_too_large"] == 1 and server.counters["prefill_computed_tokens"] == 0
+        handle, steps = asyncio.run(run(_prompt(PAGE + 10, seed=31)))
+        assert handle.num_tokens == PAGE and handle.num_pages == PER_GROUP + 1 and steps > 0
+        assert server.counters["prefills"] == 1 and server.counters["prefill_computed_tokens"] == PAGE + 10
+    finally:
+        server.engine.shutdown()
