@@ -19,6 +19,7 @@ client moved from vLLM is told rather than sampled differently without a word.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import pydantic_core
@@ -117,10 +118,28 @@ class GenerationRequest(_Body):
         return None
 
 
+def _finite(value: Any) -> Any:
+    """A JSON value from the body, refused if it holds NaN or an infinity (`NaN`, `Infinity`, or a number like
+    1e999 that overflows): JSON has neither, and the template would write them into the prompt as invalid JSON.
+    Walked without recursion (the body parser allows 200 levels)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            raise ValueError(f"{item} is not a JSON number (NaN and infinities are not JSON)")
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return value
+
+
 class FunctionSpec(_Body):
     name: str = Field(min_length=1, max_length=256)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+
+    _finite_parameters = field_validator("parameters")(_finite)
 
 
 class ToolSpec(_Body):
@@ -148,7 +167,7 @@ class CalledFunction(_Body):
         too deeply is a parse error like any other, never a recursion error further on.
         """
         if isinstance(arguments, dict):
-            return arguments
+            return _finite(arguments)
         if not arguments.strip():
             return {}
         try:

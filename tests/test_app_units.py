@@ -9,6 +9,7 @@ import collections
 import hashlib
 import json
 import logging
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from app.ingress import EngineLiveness, refusal_error
 from app.logs import log_cancellations_briefly
 from app.main import build_app
 from app.messages import GenerateChunk, GenerateRequest
-from app.openai_models import INT32_MAX, ChatCompletionRequest, CompletionRequest
+from app.openai_models import INT32_MAX, ChatCompletionRequest, CompletionRequest, TokenizeRequest
 from app.responses import ResponseMeta, collect_chat, stream_chat
 from app.router import AffinityRouter, affinity_rank
 from app.tool_parser import ToolCall, ToolCallStreamParser, parse_tool_calls
@@ -577,6 +578,20 @@ def _with_arguments(arguments: str | dict) -> dict:
 def test_tool_call_arguments_are_refused_at_their_location(arguments: str, problem: str) -> None:
     error = _refusal(ChatCompletionRequest, _with_arguments(arguments))
     assert error.param == "messages.1.tool_calls.0.function.arguments" and problem in error.message
+
+
+@pytest.mark.parametrize("number", [math.nan, math.inf, -math.inf])
+def test_non_json_numbers_in_tools_and_arguments_are_refused(number: float) -> None:
+    """NaN and infinities (`NaN`, `Infinity`, 1e999 in the body) are not JSON: rendered into the prompt, a tool's
+    schema or a call's arguments would read as invalid JSON to the model."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "x": [{"max": number}]}}}
+    for model, base in ((ChatCompletionRequest, _CHAT), (TokenizeRequest, {"messages": _CHAT["messages"]})):
+        error = _refusal(model, {**base, "tools": [tool]})
+        assert error.param == "tools.0.function.parameters" and "not a JSON number" in error.message
+    error = _refusal(ChatCompletionRequest, _with_arguments({"x": number}))
+    assert error.param == "messages.1.tool_calls.0.function.arguments"
+    assert ChatCompletionRequest.model_validate_json(json.dumps({**_CHAT, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"x": [{"max": 1e300}]}}}]})).tools
 
 
 def test_tool_call_arguments_reach_the_template_as_objects() -> None:
