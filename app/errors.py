@@ -50,6 +50,8 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     sent = dict(headers or {})
     if status == 503:
         sent["Retry-After"] = str(RETRY_AFTER_S)
+    if status == 401:
+        sent["WWW-Authenticate"] = "Bearer"  # HTTP asks a 401 to name the scheme it takes
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=sent)
 
 

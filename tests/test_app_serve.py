@@ -244,7 +244,8 @@ def test_burst_of_streams_completes_and_pools_return_to_baseline(cluster: None) 
 def test_overload_gets_503_and_api_key_is_enforced(cluster: None) -> None:
     url, auth = f"{BASE}/tight/v1/chat/completions", {"Authorization": f"Bearer {TIGHT_KEY}"}
     body = {**_chat("Go on"), "model": "glm-tiny-tight", "max_tokens": 200, "ignore_eos": True}
-    assert httpx.post(url, json=body).status_code == 401
+    missing = httpx.post(url, json=body)
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
     assert httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
 
     async def burst() -> list[httpx.Response]:
