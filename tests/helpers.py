@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,8 @@ from safetensors.torch import load_file, save_file
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # Random small GLM-MoE-DSA shapes for the reference comparison: IndexShare and MoE present,
 # index_topk far below the sequence, at least 8 indexer heads (fewer heads tie at ReLU's zero).
@@ -167,3 +172,26 @@ def run_checked(engine: LLMEngine, prompts: list[list[int]], params: list[Sampli
         assert engine.residency.host.num_in_use() == 0
         assert engine.stats()["hot_unresolved"] == 0, "selected host-only rows read without a hot slot"
     return [tokens[rid] for rid in ids]
+
+
+def sm90_ptx(kernel: str, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4) -> str:
+    """PTX of `kernel` ("module:name" in kernels/) for an H200 (sm_90), compiled here without a GPU: `types` of its
+    runtime arguments (integers default to i32). Compiled in a fresh process: a test module's kernels may be the
+    interpreter's (TRITON_INTERPRET=1), which do not compile."""
+    script = f"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+module, name = {kernel!r}.split(":")
+kernel = getattr(importlib.import_module("kernels." + module), name)
+types, constexprs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+signature = {{a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel.arg_names}}
+source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={{"num_warps": {num_warps}}}).asm["ptx"])
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(types), json.dumps(constexprs)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout

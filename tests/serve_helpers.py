@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from ray import serve
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 
 def free_port() -> int:

@@ -6,39 +6,11 @@ interpreter and pre-Hopper GPUs run) carry none of it. What they compute is chec
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _ptx(kernel: str, types: dict[str, str], constexprs: dict[str, object]) -> str:
-    """PTX of `kernel` ("module:name" in kernels/) for sm_90: `types` of its runtime arguments (integers
-    default to i32). Compiled in a fresh process: here the kernels are the interpreter's, which do not compile."""
-    script = f"""
-import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-module, name = {kernel!r}.split(":")
-kernel = getattr(importlib.import_module("kernels." + module), name)
-types, constexprs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-signature = {{a: "constexpr" if a in constexprs else types.get(a, "i32") for a in kernel.arg_names}}
-source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={{"num_warps": 4}}).asm["ptx"])
-"""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(types), json.dumps(constexprs)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
-
+from tests.helpers import sm90_ptx
 
 GEMV = ("fp8_gemm:_fp8_gemv_kernel", {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32",
                            "out_ptr": "*bf16"},
@@ -58,11 +30,11 @@ NORM = ("rmsnorm:_rmsnorm_kernel", {"x_ptr": "*bf16", "r_ptr": "*bf16", "sum_ptr
                                                                    (*NORM, False)],
                          ids=["fp8-gemv", "fp8-gemm-split", "router-logits", "rmsnorm"])
 def test_pdl_forms_wait_before_storing(kernel, types, constexprs, prefetches) -> None:
-    ptx = _ptx(kernel, types, {**constexprs, "PDL": True})
+    ptx = sm90_ptx(kernel, types, {**constexprs, "PDL": True})
     assert ptx.count("griddepcontrol.launch_dependents") == 1
     assert ptx.count("griddepcontrol.wait") >= 1
     wait = ptx.index("griddepcontrol.wait")
     assert not re.search(r"\bst\.global", ptx[:wait]) and not re.search(r"\batom\.", ptx[:wait])
     assert ("prefetch.global.L2" in ptx[:wait]) == prefetches
-    plain = _ptx(kernel, types, {**constexprs, "PDL": False})
+    plain = sm90_ptx(kernel, types, {**constexprs, "PDL": False})
     assert "griddepcontrol" not in plain and "prefetch.global" not in plain
