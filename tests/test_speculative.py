@@ -368,3 +368,30 @@ def test_padding_rows_of_cut_drafts_stay_inside_the_hot_lease(tiny_dir: Path) ->
     assert run_checked(engine, prompts, params, [t[:5] + [(t[5] + 1) % 380] + t[6:] for t in want]) == want
     runs = engine.executor.worker.spec_graphs.steps_run
     assert any(cut) and sum(n for key, n in runs.items() if key.resolves) > 5
+
+
+def test_reverse_maps_cover_the_draft_rows_of_a_step(tiny_dir: Path) -> None:
+    """A verifying step's rows run past the tokens the host holds (its drafts, and a continued step's drafts taken
+    as accepted), and their selections may name those positions: every demoted request's reverse map must cover
+    them. Sized to the host's tokens, a step crossing its end stopped the engine loop (an out-of-range position;
+    on the GPU the resolve would read past the map). Four requests drafting 3 tokens in a 24-page pool, `hybrid`."""
+    from engine.model_runner import ModelRunner
+
+    engine = make_engine(tiny_dir, num_speculative_tokens=3, num_gpu_pages=24, enable_prefix_cache=False,
+                         hisparse=HiSparseConfig(policy="hybrid", host_pool_gib=0.05, hot_rows=64))
+    prepare, past_host = ModelRunner.prepare, []
+
+    def watched(self, scheduled, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        step = prepare(self, scheduled, *args, **kwargs)
+        past_host.extend(step.context_lens[b] > scheduled[b].request.num_tokens for b in step.nonresident_tokens)
+        return step
+
+    ModelRunner.prepare = watched
+    try:
+        params = [SamplingParams(max_tokens=420, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
+        outs = engine.generate([[5 + i] * 12 for i in range(4)], params)
+    finally:
+        ModelRunner.prepare = prepare
+    assert [len(o.token_ids) for o in outs] == [420] * 4
+    assert any(past_host) and engine.stats()["hot_misses"] > 0
+    assert_pages_released(engine)
