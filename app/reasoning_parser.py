@@ -35,7 +35,7 @@ class ReasoningStreamParser:
         self._held += delta
         if self._state == "start":
             stripped = self._held.lstrip()
-            if OPEN.startswith(stripped):  # still could be the opening tag
+            if len(stripped) < len(OPEN) and OPEN.startswith(stripped):  # still could be the opening tag
                 return []
             if stripped.startswith(OPEN):
                 self._held, self._state = stripped[len(OPEN) :], "reasoning"

@@ -14,6 +14,8 @@ CASES = [
     ("<think>still thinking when max_tokens hit", "still thinking when max_tokens hit", ""),
     ("no think block here <think>x</think>", None, "no think block here <think>x</think>"),
     ("<thin", None, "<thin"),
+    ("<think>", "", ""),  # max_tokens right after the opening tag: nothing of it is content
+    (" \n<think>", "", ""),
     ("", None, ""),
 ]
 
