@@ -99,6 +99,8 @@ def _read_requests(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _submit(engine: LLMEngine, i: int, spec: dict[str, Any], args: argparse.Namespace) -> str:
     """Validates one request spec and adds it; returns its id."""
+    if not isinstance(spec, dict):
+        raise InvalidRequestError(f"request {i}: each line must be a JSON object, got {type(spec).__name__}")
     if "prompt_token_ids" in spec:
         ids = spec["prompt_token_ids"]
         if not isinstance(ids, list):
@@ -109,16 +111,20 @@ def _submit(engine: LLMEngine, i: int, spec: dict[str, Any], args: argparse.Name
         ids = engine.tokenizer.encode(spec["prompt"])
     else:
         raise InvalidRequestError("each request needs `prompt` (a string) or `prompt_token_ids`")
-    params = SamplingParams(
-        max_tokens=spec.get("max_tokens", args.max_tokens),
-        temperature=float(spec.get("temperature", args.temperature)),
-        top_p=float(spec.get("top_p", args.top_p)),
-        top_k=spec.get("top_k", args.top_k),
-        seed=spec.get("seed", args.seed),
-        stop=tuple(spec.get("stop", ())),
-        ignore_eos=bool(spec.get("ignore_eos", args.ignore_eos)),
-        stop_token_ids=tuple(spec.get("stop_token_ids", ())),
-    )
+    stop, stop_ids = spec.get("stop", ()), spec.get("stop_token_ids", ())
+    try:
+        params = SamplingParams(
+            max_tokens=spec.get("max_tokens", args.max_tokens),
+            temperature=float(spec.get("temperature", args.temperature)),
+            top_p=float(spec.get("top_p", args.top_p)),
+            top_k=spec.get("top_k", args.top_k),
+            seed=spec.get("seed", args.seed),
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),  # one string is one stop, as in the API
+            ignore_eos=bool(spec.get("ignore_eos", args.ignore_eos)),
+            stop_token_ids=tuple(stop_ids),
+        )
+    except TypeError as exc:  # a field of the wrong JSON type (null, a number where a list belongs)
+        raise InvalidRequestError(f"request {i}: a field has the wrong type ({exc})") from None
     rid = f"cli-{i}"
     engine.add_request(rid, ids, params)
     return rid
@@ -227,12 +233,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "make-tiny":
-        overrides = json.loads(args.config.read_text()) if args.config else None
-        make_tiny(args.out, seed=args.seed, overrides=overrides, fp8=args.fp8)
-        return 0
     try:
+        if args.command == "make-tiny":
+            overrides = json.loads(args.config.read_text()) if args.config else None
+            make_tiny(args.out, seed=args.seed, overrides=overrides, fp8=args.fp8)
+            return 0
         return _with_engine(cmd_generate if args.command == "generate" else cmd_chat, args)
-    except (InvalidRequestError, ValueError) as exc:
+    except (InvalidRequestError, ValueError, OSError) as exc:  # the user's input or files: no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2

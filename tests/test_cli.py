@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from engine.cli import _submit, build_parser
+from tests.helpers import make_engine
+
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, timeout=300,
@@ -20,17 +23,21 @@ def test_generate_requests_file_batches_and_reports(tiny_dir: Path, tmp_path: Pa
         {"prompt_token_ids": [1, 2, 3, 4], "max_tokens": 3, "temperature": 0.8, "seed": 7},
         {"prompt": ""},
         {"prompt_token_ids": [5, 6], "temperature": -1},
+        [1, 2, 3],  # a line that is no request object
+        {"prompt_token_ids": [5, 6], "temperature": None},
+        {"prompt_token_ids": [5, 6], "stop_token_ids": 5},
     ]
     requests.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     proc = run_cli("generate", "--model", str(tiny_dir), "--requests", str(requests), "--max-tokens", "4",
                    "--json", "--ignore-eos")
     assert proc.returncode == 0, proc.stderr
     out = [json.loads(ln) for ln in proc.stdout.splitlines()]
-    assert len(out) == 5
+    assert len(out) == 8
     assert len(out[0]["token_ids"]) == 5 and isinstance(out[0]["text"], str)
     assert len(out[1]["token_ids"]) == 3
     assert "empty" in out[2]["error"] and "temperature" in out[3]["error"]
-    stats = out[4]["stats"]
+    assert "JSON object" in out[4]["error"] and "wrong type" in out[5]["error"] and "wrong type" in out[6]["error"]
+    stats = out[7]["stats"]
     assert stats["pages_in_use"] == 0 and stats["preemptions"] == 0
     assert {"prefix_cache_hit_tokens", "pages_free", "num_pages"} <= set(stats)
 
@@ -66,3 +73,19 @@ def test_make_tiny_and_chat(tmp_path: Path) -> None:
                           input="hello\nand again\n\n", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("chat with")
+
+
+def test_user_errors_end_with_a_message_not_a_traceback(tiny_dir: Path, tmp_path: Path) -> None:
+    for args in (("generate", "--model", str(tiny_dir), "--requests", str(tmp_path / "missing.jsonl")),
+                 ("generate", "--model", str(tmp_path / "no-model"), "--prompt", "hi"),
+                 ("make-tiny", "--out", str(tmp_path / "t"), "--config", str(tmp_path / "missing.json"))):
+        proc = run_cli(*args)
+        assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_one_stop_string_is_one_stop(tiny_dir: Path) -> None:
+    """`"stop": "xyz"` stops at "xyz", as in the API, not at any of its characters."""
+    engine = make_engine(tiny_dir)
+    args = build_parser().parse_args(["generate", "--model", str(tiny_dir), "--prompt", "unused"])
+    rid = _submit(engine, 0, {"prompt_token_ids": [1, 2], "stop": "xyz"}, args)
+    assert engine._requests[rid].params.stop == ("xyz",)
