@@ -18,11 +18,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
+from ray.exceptions import RayActorError, RayError
+
 from app.config import AppConfig
 from app.logs import log_cancellations_briefly, route_app_logs
 from app.messages import GenerateChunk, GenerateRequest
 from app.metrics import RESIDENCY_STATES, ReplicaMetrics
-from engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from engine.async_engine import AsyncEngine, EngineDeadError, RequestCancelledError, RequestFailedError
 from engine.llm_engine import LLMEngine
 from engine.request import InvalidRequestError
 from residency.manager import ResidencyManager
@@ -31,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 # Bound on waiting for the engine thread to answer a stats call (it answers between steps).
 _STATS_TIMEOUT_S = 30.0
+# How often a stream asks whether its caller's actor is alive (a ping to the ingress replica).
+CALLER_CHECK_S = 5.0
 _DRAIN_TIMEOUT_S = 30.0
 
 
@@ -102,6 +106,7 @@ class EngineServer:
         refused = False
         prompt_tokens = output_tokens = 0
         reason = "abort"
+        watch = None if req.caller is None else asyncio.get_running_loop().create_task(self._watch_caller(req))
         try:
             outputs = self.engine.generate(req.prompt_token_ids, req.params, req.request_id)
             async with contextlib.aclosing(outputs):  # leaving early aborts the request now, not at collection
@@ -122,9 +127,28 @@ class EngineServer:
         except EngineDeadError as exc:
             yield GenerateChunk.refusal(503, f"the engine of this replica stopped: {exc}")
             return
+        except RequestCancelledError:  # its caller is gone: nobody to tell
+            return
         finally:
+            if watch is not None:
+                watch.cancel()
             if not refused:
                 self._record_finished(arrival, reason, first_token_at, prompt_tokens, output_tokens)
+
+    async def _watch_caller(self, req: GenerateRequest) -> None:
+        """Ends `req` once its caller's actor is gone. A caller that dies (an ingress replica killed or out of
+        memory) never cancels its call, and Ray does not either: the request ran to `max_tokens`, holding its
+        slot and pages, for nobody. A caller too busy to answer in time is taken as alive."""
+        while True:
+            await asyncio.sleep(CALLER_CHECK_S)
+            try:
+                await asyncio.wait_for(req.caller.__ray_ready__.remote(), CALLER_CHECK_S)
+            except RayActorError:
+                logger.info("%s: its caller is gone; ending it", req.request_id)
+                self.engine.cancel(req.request_id, "the caller of this request is gone")
+                return
+            except (asyncio.TimeoutError, RayError):
+                continue
 
     def __del__(self) -> None:
         """Serve's shutdown hook (after its own drain): let the engine go idle, then stop it."""

@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI
+import ray
+from ray.actor import ActorHandle
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -67,6 +69,14 @@ class EngineLiveness:
     def recent(self) -> bool:
         """Whether generated text arrived within the window."""
         return time.monotonic() - self._last < self._window_s
+
+
+def _current_actor() -> ActorHandle | None:
+    """This replica's actor, which decode replicas ping to learn whether their caller is alive (None outside one)."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except RuntimeError:
+        return None
 
 
 def refusal_error(chunk: GenerateChunk, kind: str) -> APIError:
@@ -129,6 +139,7 @@ class OpenAIIngress:
         self._decode = decode
         self._generate = decode.options(method_name="generate", stream=True)
         self._liveness = EngineLiveness(_LIVE_WINDOW_S)
+        self._actor = _current_actor()
 
     def _log_key_policy(self) -> None:
         if self.api_key_digest is not None:
@@ -210,7 +221,7 @@ class OpenAIIngress:
         self._admit(prompt_ids, "messages" if kind == "chatcmpl" else "prompt")
         request_id = f"{kind}-{uuid.uuid4().hex}"
         handle = self._generate.options(session_id=key) if key else self._generate
-        response = handle.remote(GenerateRequest(request_id, prompt_ids, params))
+        response = handle.remote(GenerateRequest(request_id, prompt_ids, params, self._actor))
         try:
             first = await response.__anext__()
         except BackPressureError:

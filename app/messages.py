@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ray.actor import ActorHandle
+
 from engine.llm_engine import RequestOutput
 from engine.request import InvalidRequestError, SamplingParams
 
@@ -20,6 +22,9 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    # the ingress replica's actor: a decode replica ends the request once it is gone (a caller that dies cannot
+    # cancel its call); None where no actor calls (tests, direct use)
+    caller: ActorHandle | None = None
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,10 @@ class RequestFailedError(RuntimeError):
     """Processing this one request failed; the engine ended it and serves the others."""
 
 
+class RequestCancelledError(RuntimeError):
+    """The request was ended from outside its stream (`AsyncEngine.cancel`): its consumer is gone."""
+
+
 def _stream_item(output: RequestOutput) -> RequestOutput | RequestFailedError:
     """What the request's stream gets: the output, or the error the engine ended the request with."""
     return output if output.error is None else RequestFailedError(output.error)
@@ -123,6 +127,15 @@ class AsyncEngine:
             if len(self._adds) == queued:
                 self._aborts.append(request_id)
         self._wake.set()
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        """Ends the request as `abort` does, and its stream with `RequestCancelledError(reason)`: for a watcher
+        that knows the stream's consumer is gone when the consumer itself cannot close it."""
+        with self._lock:
+            stream = self._streams.get(request_id)
+        self.abort(request_id)
+        if stream is not None:
+            stream.put(RequestCancelledError(reason))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the loop after the current step (pending streams get an error), then the ranks."""

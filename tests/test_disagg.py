@@ -27,6 +27,7 @@ import pytest
 import ray
 import torch
 
+from app import engine_server
 from app.config import AppConfig
 from app.decode import DecodeServer
 from app.prefill import PrefillServer
@@ -409,6 +410,19 @@ class _Metrics:
         pass
 
 
+def _decode_replica(tiny_dir: Path, prefill: _StubPrefill | None, num_gpu_pages: int = 64,
+                    hisparse: HiSparseConfig | None = None) -> DecodeServer:
+    """A decode replica's state without Serve, its prefill deployment `prefill` (None: colocated)."""
+    server = object.__new__(DecodeServer)
+    server._config = AppConfig.from_args({"model": {"path": str(tiny_dir)}})
+    server.engine = AsyncEngine(EngineConfig(model=str(tiny_dir), num_gpu_pages=num_gpu_pages,
+                                             hisparse=hisparse or HiSparseConfig()))
+    server.counters, server.metrics = collections.Counter(), _Metrics()
+    server._prefill = prefill
+    server._min_transfer_tokens = server._reuse_unit = PAGE
+    return server
+
+
 def _decode(tiny_dir: Path, prefill: _StubPrefill, req: GenerateRequest, num_gpu_pages: int = 64,
             hisparse: HiSparseConfig | None = None, setup: Callable[[LLMEngine], None] | None = None
             ) -> tuple[DecodeServer, list[GenerateChunk]]:
@@ -416,13 +430,7 @@ def _decode(tiny_dir: Path, prefill: _StubPrefill, req: GenerateRequest, num_gpu
     runs first on its engine."""
 
     async def run() -> tuple[DecodeServer, list[GenerateChunk]]:
-        server = object.__new__(DecodeServer)  # the replica's state without Serve
-        server._config = AppConfig.from_args({"model": {"path": str(tiny_dir)}})
-        server.engine = AsyncEngine(EngineConfig(model=str(tiny_dir), num_gpu_pages=num_gpu_pages,
-                                                 hisparse=hisparse or HiSparseConfig()))
-        server.counters, server.metrics = collections.Counter(), _Metrics()
-        server._prefill = prefill
-        server._min_transfer_tokens = server._reuse_unit = PAGE
+        server = _decode_replica(tiny_dir, prefill, num_gpu_pages, hisparse)
         try:
             if setup is not None:
                 await server.engine.run_in_engine(setup)
@@ -519,3 +527,40 @@ def test_a_prompt_larger_than_the_prefill_pool_is_not_computed_there(tiny_dir: P
         assert server.counters["prefills"] == 1 and server.counters["prefill_computed_tokens"] == PAGE + 10
     finally:
         server.engine.shutdown()
+
+
+@ray.remote
+class _Caller:
+    """Stands in for the ingress replica that calls a decode replica."""
+
+    def ready(self) -> bool:
+        return True
+
+
+def test_a_request_whose_caller_died_is_ended(tiny_dir: Path, ray_store: None, monkeypatch) -> None:
+    """A caller that dies (an ingress replica killed) cannot cancel its call: the decode replica, pinging the
+    caller's actor, ends the request and frees its pages; a request whose caller lives runs to its end."""
+    monkeypatch.setattr(engine_server, "CALLER_CHECK_S", 0.2)
+    dying, living = _Caller.remote(), _Caller.remote()
+    ray.get([dying.ready.remote(), living.ready.remote()])
+
+    async def run() -> tuple[DecodeServer, list[GenerateChunk], list[GenerateChunk], tuple[bool, int]]:
+        server = _decode_replica(tiny_dir, None)
+        try:
+            orphaned = []
+            long = SamplingParams(max_tokens=1500, ignore_eos=True)
+            async for chunk in server.generate(GenerateRequest("orphan", _prompt(40, seed=40), long, dying)):
+                orphaned.append(chunk)
+                if len(orphaned) == 3:
+                    ray.kill(dying)
+            kept = [c async for c in server.generate(GenerateRequest("kept", _prompt(40, seed=41), greedy(30), living))]
+            idle = await server.engine.run_in_engine(lambda e: (e.has_unfinished(), e.kv.num_pages_in_use()))
+            return server, orphaned, kept, idle
+        finally:
+            server.engine.shutdown()
+
+    server, orphaned, kept, idle = asyncio.run(run())
+    assert not orphaned[-1].finished and len(orphaned) < 1500
+    assert kept[-1].finished and kept[-1].num_output_tokens == 30
+    assert idle == (False, 0)
+    assert server.counters["finished_abort"] == 1 and server.counters["finished_length"] == 1
