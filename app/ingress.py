@@ -25,8 +25,8 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from fastapi import FastAPI
 import ray
+from fastapi import FastAPI
 from ray.actor import ActorHandle
 from ray.exceptions import RayError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError

@@ -88,8 +88,8 @@ class ModelRunner:
             logits_rows=torch.tensor(logits_rows, dtype=torch.long),
             row_ranges=tuple(row_ranges),
             request_ids=tuple(r.request_id for r in reqs),
-            # a continuing speculative step's rows run past what the host holds (drafts taken as accepted): the
-            # reverse maps must cover its last position too
+            # a verifying step's rows run past what the host holds (its drafts, and a continued step's drafts
+            # taken as accepted): the reverse maps must cover its last position too
             nonresident_tokens={b: max(r.num_tokens, ctx_lens[b]) for b, r in enumerate(reqs) if r.hot is not None},
             step=self.num_steps,
             sampling=sampling,
