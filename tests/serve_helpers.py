@@ -5,6 +5,7 @@ Shared by tests/test_app_serve.py and tests/test_app_hardening.py, each of which
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -18,10 +19,18 @@ from tests.helpers import ROOT
 
 
 def free_port() -> int:
-    """A loopback port nothing listens on, so runs beside other Serve instances do not collide."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A loopback port nothing listens on, so runs beside other Serve instances do not collide. Drawn between Ray's
+    worker ports (10002-19999) and the kernel's ephemeral range (32768 up), where Ray's own servers take theirs: a
+    port the kernel hands out could be taken by one of them before the Serve proxy binds it."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def tiny_args(model_dir: Path) -> dict[str, Any]:
