@@ -26,9 +26,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_device
 from engine.tiny import make_tiny, shaped_config, write_architecture
 from residency.config import HiSparseConfig
 
@@ -109,6 +109,8 @@ class EngineArgs(_Section):
     """Draft tokens per step from the model's MTP layers; 0 = off."""
     attention_config: AttentionArgs = AttentionArgs()
     """Attention and KV residency."""
+
+    _device_spelling = field_validator("device")(check_device)
 
     @model_validator(mode="after")
     def _host_pool_for_policy(self) -> EngineArgs:

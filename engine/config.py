@@ -17,6 +17,21 @@ ExecutorKind = Literal["mp", "ray"]
 Quantization = Literal["auto", "fp8", "none"]
 
 
+def check_device(device: str) -> str:
+    """`device` if it names a CPU or CUDA device (`cpu`, `cuda`, `cuda:N`); a ValueError saying so otherwise.
+
+    Only the spelling is checked: the process that validates a config (a Serve controller, a driver) need
+    not be the one with the GPU.
+    """
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    return device
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What one engine replica serves and how much it may hold."""
@@ -76,6 +91,7 @@ class EngineConfig:
             raise ValueError("num_speculative_tokens must be non-negative")
         if self.executor not in ("mp", "ray"):
             raise ValueError(f"executor must be mp or ray, got {self.executor!r}")
+        check_device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -261,6 +261,8 @@ def test_bad_values_and_policy_without_host_pool() -> None:
         AppConfig.from_args({"model": {"path": "x"}, "engine": hybrid_without_pool})
     with pytest.raises(ConfigError, match="decode.num_replicas"):
         AppConfig.from_args({"model": {"path": "x"}, "decode": {"num_replicas": 0}})
+    with pytest.raises(ConfigError, match="engine.device.*cpu, cuda or cuda:N, got 'gpu'"):
+        AppConfig.from_args({"model": {"path": "x"}, "engine": {"device": "gpu"}})
 
 
 def test_model_path_from_environment(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

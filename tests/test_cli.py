@@ -78,7 +78,8 @@ def test_make_tiny_and_chat(tmp_path: Path) -> None:
 def test_user_errors_end_with_a_message_not_a_traceback(tiny_dir: Path, tmp_path: Path) -> None:
     for args in (("generate", "--model", str(tiny_dir), "--requests", str(tmp_path / "missing.jsonl")),
                  ("generate", "--model", str(tmp_path / "no-model"), "--prompt", "hi"),
-                 ("make-tiny", "--out", str(tmp_path / "t"), "--config", str(tmp_path / "missing.json"))):
+                 ("make-tiny", "--out", str(tmp_path / "t"), "--config", str(tmp_path / "missing.json")),
+                 ("generate", "--model", str(tiny_dir), "--device", "bogus", "--prompt", "hi")):
         proc = run_cli(*args)
         assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr, proc.stderr
 
