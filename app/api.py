@@ -4,7 +4,7 @@ Built on each ingress replica by `OpenAIIngress.__serve_build_asgi_app__`. Route
 under `/v1` and the tokenizer routes require the API key when one is configured
 (`Authorization: Bearer KEY`, compared by its SHA-256 digest); `/health` never
 does, and answers `HEAD` as well as `GET` (what load balancers probe with). Bodies
-are size-limited before they are read (`app.body_limit`) and parsed and validated
+are size- and time-limited before they are read (`app.body_limit`) and parsed and validated
 in a worker thread, so a large body does not hold the event loop that streams
 everyone else's tokens. There is no `/docs` and no `/openapi.json`:
 the API is OpenAI's, documented by OpenAI and in the README, and an unauthenticated
@@ -47,7 +47,7 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
 def build_api(ingress: OpenAIIngress) -> FastAPI:
     api = FastAPI(title="hisparse-serve", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(api)
-    api.add_middleware(BodyLimitMiddleware, max_bytes=ingress.max_body_bytes)
+    api.add_middleware(BodyLimitMiddleware, max_bytes=ingress.max_body_bytes, timeout_s=ingress.body_timeout_s)
 
     def authorize(request: Request) -> None:
         if ingress.api_key_digest is None:

@@ -188,6 +188,9 @@ class ApiArgs(_Section):
     """Refuse to start the ingress when no key is found (instead of serving without one)."""
     max_body_bytes: int | None = Field(None, ge=1024)
     """Largest request body; None = 1 MiB plus 16 bytes per admissible prompt token."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """Seconds from a request's start within which its whole body must arrive, else HTTP 408: a request waiting on
+    its body holds one of the ingress's max_ongoing_requests slots."""
     default_max_tokens: int = Field(256, ge=1)
     """Output tokens of a request that names no max_tokens."""
     max_prompt_tokens: int | None = Field(None, ge=1)
@@ -214,6 +217,9 @@ class DisaggArgs(_Section):
     """Remote prefill only when this many prompt tokens are uncached on the decode replica; None = one indexer page."""
     prefill_timeout_s: float = Field(120.0, gt=0)
     """Seconds the decode replica waits for remote prefill and the export before prefilling locally."""
+    prefill_accept_timeout_s: float = Field(10.0, gt=0)
+    """Of those, seconds it waits for a prefill replica to accept the request (every one busy, or none running: one
+    died and its replacement is starting) before prefilling locally. Meanwhile the request holds a decode slot."""
 
 
 class RoutingArgs(_Section):

@@ -3,14 +3,16 @@
 Shaped like Ray Serve LLM's prefill/decode pattern: the decode replica receives
 the request, asks a prefill replica to compute the prompt (`max_tokens=1`), gets
 back a KV handle, lands the pages in its own prefix cache (on GPU pages, or in
-its host pool when the GPU pool is short) and then generates locally. Remote prefill happens only when a prefill deployment exists and the
-part of the prompt this replica does not already cache (on the GPU or in its host tier) is at least
+its host pool when the GPU pool is short) and then generates locally. Remote
+prefill happens only when a prefill deployment exists and the part of the prompt
+this replica does not already cache (on the GPU or in its host tier) is at least
 `disagg.min_transfer_tokens` long; only that part is moved. Any failure of the
-remote path (prefill replica dead or saturated, object lost, export refused,
-timeout) is logged and counted, and the replica prefills locally: the request
-still succeeds. An export with no pages (the prefill replica held nothing past
-what this replica caches) is not a failure: there is nothing to land, and the
-replica computes the rest itself. Without prefill replicas the deployment is colocated.
+remote path (prefill replica dead, none accepting the request within
+`disagg.prefill_accept_timeout_s`, object lost, export refused, timeout) is logged
+and counted, and the replica prefills locally: the request still succeeds. An
+export with no pages (the prefill replica held nothing past what this replica
+caches) is not a failure: there is nothing to land, and the replica computes the
+rest itself. Without prefill replicas the deployment is colocated.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from collections.abc import AsyncIterator
 
 from ray.exceptions import RayError
 from ray.serve.exceptions import RayServeException
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from app.config import AppConfig
 from app.engine_server import EngineServer
+from app.heartbeats import with_heartbeats
 from app.messages import GenerateChunk, GenerateRequest, PrefillRequest
 from disagg.host_tier import TransferFailed, fetch
 from disagg.landing import cached_prefix_tokens, land_prefix
@@ -45,9 +48,14 @@ class DecodeServer(EngineServer):
         self._reuse_unit = kv.indexer_page_tokens
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Streams the request's chunks; a request the engine refuses yields one refusal chunk. Its times (TTFT,
-        end to end) run from here, so a remote prefill counts in them; a client that leaves during it is counted
-        as an abort."""
+        """Streams the request's chunks, with heartbeats while it is quiet (`app.heartbeats`); a request the
+        engine refuses yields one refusal chunk."""
+        async for chunk in with_heartbeats(self._chunks(req), self.engine.is_healthy):
+            yield chunk
+
+    async def _chunks(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """The request's chunks. Its times (TTFT, end to end) run from here, so a remote prefill counts in them;
+        a client that leaves during it is counted as an abort."""
         arrival = time.monotonic()
         try:
             self.engine.engine.validate(req.prompt_token_ids, req.params)
@@ -63,6 +71,21 @@ class DecodeServer(EngineServer):
         async for chunk in self._stream(req, arrival):
             yield chunk
 
+    @staticmethod
+    async def _accepted(response: DeploymentResponse, timeout_s: float) -> bool:
+        """Whether a prefill replica accepted the call within `timeout_s` (else the call is cancelled).
+
+        Serve's router holds a call until some replica has room, and with no replica running it waits for one
+        to start: after a prefill replica died, long prompts waited out the whole `prefill_timeout_s` here,
+        holding every decode slot while short prompts and health probes queued behind them.
+        """
+        try:
+            await asyncio.wait_for(response._to_object_ref(), timeout_s)  # resolves once a replica accepts it
+        except asyncio.TimeoutError:
+            response.cancel()
+            return False
+        return True
+
     async def _prefill_remotely(self, req: GenerateRequest) -> None:
         """Lands the prompt's KV computed by a prefill replica; on any failure leaves it to local prefill."""
         ids = req.prompt_token_ids
@@ -76,10 +99,18 @@ class DecodeServer(EngineServer):
             self.counters["local_prefills"] += 1
             return
         started = time.monotonic()
-        timeout = self._config.disagg.prefill_timeout_s
+        disagg = self._config.disagg
         response = self._prefill.prefill.remote(PrefillRequest(req.request_id, ids, held))
         try:
-            handle = await asyncio.wait_for(response, timeout)
+            accept_s = min(disagg.prefill_accept_timeout_s, disagg.prefill_timeout_s)
+            if not await self._accepted(response, accept_s):
+                logger.warning("%s: no prefill replica accepted it within %g s; prefilling locally",
+                               req.request_id, accept_s)
+                self.counters["transfer_fallbacks"] += 1
+                self.metrics.transfer("fallback")
+                return
+            timeout = disagg.prefill_timeout_s
+            handle = await asyncio.wait_for(response, max(timeout - (time.monotonic() - started), 1.0))
             if handle.num_pages == 0:
                 logger.info("%s: the prefill replica exported no pages; prefilling locally", req.request_id)
                 self.counters["empty_exports"] += 1

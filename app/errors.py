@@ -24,7 +24,8 @@ from starlette.exceptions import HTTPException
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+          405: "invalid_request_error", 408: "invalid_request_error",
+          413: "invalid_request_error", 503: "service_unavailable_error"}
 # Seconds a client is asked to wait before retrying a 503.
 RETRY_AFTER_S = 1
 # Names pydantic gives the members of a union in an error location; they are not request fields.

@@ -45,14 +45,14 @@ from engine.tokenizer import ChatTemplateError, TokenizationError, Tokenizer
 logger = logging.getLogger(__name__)
 
 _HEALTH_TIMEOUT_S = 10.0
-# Generated text from a decode replica this recent answers the health check without a probe.
+# Generated text or a heartbeat from a decode replica this recent answers the health check without a probe.
 _LIVE_WINDOW_S = 5.0
 # Arguments of the renderer itself: chat_template_kwargs may not name them.
 _RENDER_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt"})
 
 
 class EngineLiveness:
-    """When a decode replica last sent generated text: its engine loop was running then.
+    """When a decode replica last sent generated text or a heartbeat: its engine loop was running then.
 
     A refusal proves nothing (a dead engine answers every request with one), so only
     chunks without an error status count.
@@ -67,7 +67,7 @@ class EngineLiveness:
             self._last = time.monotonic()
 
     def recent(self) -> bool:
-        """Whether generated text arrived within the window."""
+        """Whether generated text or a heartbeat arrived within the window."""
         return time.monotonic() - self._last < self._window_s
 
 
@@ -86,8 +86,8 @@ def refusal_error(chunk: GenerateChunk, kind: str) -> APIError:
 
 
 class DecodeStream:
-    """The chunks of one decode call, each shown to `liveness`; closing it early cancels the call (and so the
-    request)."""
+    """The chunks of one decode call, each shown to `liveness` (heartbeats only to it); closing it early cancels
+    the call (and so the request)."""
 
     def __init__(self, response: DeploymentResponseGenerator, first: GenerateChunk, liveness: EngineLiveness) -> None:
         self._response, self._first, self._liveness = response, first, liveness
@@ -105,6 +105,9 @@ class DecodeStream:
                     return
                 try:
                     chunk = await self._response.__anext__()
+                    while chunk.heartbeat:
+                        self._liveness.saw(chunk)
+                        chunk = await self._response.__anext__()
                 except (RayError, StopAsyncIteration) as exc:
                     logger.warning("decode stream broke off: %r", exc)
                     chunk = GenerateChunk.refusal(503, "the decode replica was lost during the request; retry")
@@ -133,6 +136,7 @@ class OpenAIIngress:
         model_len = ModelConfig.from_dir(config.model.path).max_position_embeddings
         self.max_model_len = config.engine.max_model_len or model_len
         self.max_body_bytes = config.api.body_limit(self.max_model_len)
+        self.body_timeout_s = config.api.body_timeout_s
         # The digest carried in the args (key set where the app was built), else the key set here.
         self.api_key_digest = config.api.key_digest()
         self._log_key_policy()
@@ -224,6 +228,9 @@ class OpenAIIngress:
         response = handle.remote(GenerateRequest(request_id, prompt_ids, params, self._actor))
         try:
             first = await response.__anext__()
+            while first.heartbeat:  # still waiting: no status to answer with yet
+                self._liveness.saw(first)
+                first = await response.__anext__()
         except BackPressureError:
             raise APIError(503, "the server is overloaded; retry later", code="overloaded") from None
         except (DeploymentUnavailableError, RayError) as exc:
@@ -313,14 +320,16 @@ class OpenAIIngress:
         return self.tokenizer.decode(tokens)
 
     async def healthy(self) -> bool:
-        """Whether a decode replica's engine is running: it sent generated text within `_LIVE_WINDOW_S`, or it
-        answers its health check.
+        """Whether a decode replica's engine is running: it sent generated text or a heartbeat within
+        `_LIVE_WINDOW_S`, or it answers its health check.
 
         The probe is a call like `generate` and waits in the same queue (`max_ongoing_requests`), so on a fully
         loaded replica it would time out, or be refused by `max_queued_requests`, exactly when the engine is
-        busiest. Text streaming out of a replica is proof enough then, and it costs no call. A dead engine loop
-        sends none, only refusals (which empty the queue at once), so once its last text is older than the
-        window the probe runs and fails: a dead engine still answers 503.
+        busiest. Chunks streaming out of a replica are proof enough then, and cost no call: text, or while its
+        requests wait (for a prefill replica, in a long prefill) the heartbeats it sends only while its engine
+        loop is alive (`app.heartbeats`). A dead engine loop sends neither, only refusals (which empty the queue
+        at once), so once its last chunk is older than the window the probe runs and fails: a dead engine still
+        answers 503.
         """
         if self._liveness.recent():
             return True

@@ -2,7 +2,9 @@
 
 The ingress sends a `GenerateRequest` to a decode replica and reads back a
 stream of `GenerateChunk`s; a refused request is one chunk carrying an HTTP
-status and message, so the ingress can answer before it starts streaming.
+status and message, so the ingress can answer before it starts streaming. While
+a request waits (for a prefill replica, in the engine's queue, in a long prefill)
+the stream carries heartbeat chunks (`app.heartbeats`), which only the ingress sees.
 A decode replica sends a `PrefillRequest` to a prefill replica and gets a
 `disagg.host_tier.KVHandle` back.
 """
@@ -41,6 +43,7 @@ class GenerateChunk:
     error_message: str = ""
     error_param: str | None = None  # the field at fault, in the engine's terms (`prompt`, `max_tokens`, ...)
     error_code: str | None = None  # OpenAI's error code, where one applies
+    heartbeat: bool = False  # no text: the replica and its engine loop were running when it was sent
 
     @classmethod
     def of(cls, output: RequestOutput) -> GenerateChunk:
@@ -52,6 +55,10 @@ class GenerateChunk:
             num_cached_tokens=output.num_cached_tokens,
             num_output_tokens=output.num_output_tokens,
         )
+
+    @classmethod
+    def alive(cls) -> GenerateChunk:
+        return cls(heartbeat=True)
 
     @classmethod
     def refusal(cls, status: int, message: str) -> GenerateChunk:

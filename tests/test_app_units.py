@@ -12,6 +12,7 @@ import logging
 import math
 import tempfile
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,13 @@ from ray.exceptions import TaskCancelledError
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
 from ray.serve.request_router import PendingRequest
 
+from app import heartbeats
 from app.body_limit import BodyLimitMiddleware
 from app.config import AppConfig, ConfigError, EngineArgs
 from app.decode import DecodeServer
 from app.errors import APIError, error_body, invalid_request
-from app.ingress import EngineLiveness, refusal_error
+from app.heartbeats import with_heartbeats
+from app.ingress import DecodeStream, EngineLiveness, refusal_error
 from app.logs import log_cancellations_briefly
 from app.main import build_app
 from app.messages import GenerateChunk, GenerateRequest
@@ -486,7 +489,7 @@ def test_body_limit_refuses_declared_and_streamed_bodies() -> None:
         seen.append((await receive())["body"])
         await send({"type": "http.response.start", "status": 200, "headers": []})
 
-    app = BodyLimitMiddleware(echo, max_bytes=1000)
+    app = BodyLimitMiddleware(echo, max_bytes=1000, timeout_s=30)
     declared = _asgi_post(app, [b"x" * 10], [(b"content-length", b"5000")])
     assert declared[0]["status"] == 413 and json.loads(declared[1]["body"])["error"]["code"] == "request_too_large"
     streamed = _asgi_post(app, [b"x" * 600, b"x" * 600], [])
@@ -516,8 +519,47 @@ def test_body_limit_hands_a_cancelled_relay_on_as_a_disconnect() -> None:
         pass
 
     scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
-    asyncio.run(BodyLimitMiddleware(listener, max_bytes=1000)(scope, relay, send))
+    asyncio.run(BodyLimitMiddleware(listener, max_bytes=1000, timeout_s=30)(scope, relay, send))
     assert messages == [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+
+
+def test_body_limit_ends_a_body_that_stops_arriving_or_whose_client_left() -> None:
+    """A connection that sends a byte of body and then nothing held an ingress slot for as long as it stayed open;
+    a few hundred of them held every slot. Its request is answered 408 once the deadline passes, and a client
+    that leaves while sending ends its request quietly (it was logged as an unexpected error)."""
+    routed: list[dict] = []
+
+    async def route(scope: dict, receive, send) -> None:  # noqa: ANN001 - an ASGI app
+        routed.append(await receive())
+
+    def post(rest: Callable[[], Awaitable[dict]]) -> list[dict]:
+        first = [{"type": "http.request", "body": b"{", "more_body": True}]
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return first.pop() if first else await rest()
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                 "headers": [(b"content-length", b"1000")]}
+        asyncio.run(BodyLimitMiddleware(route, max_bytes=10_000, timeout_s=0.2)(scope, receive, send))
+        return sent
+
+    async def silent() -> dict:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    timed_out = post(silent)
+    assert timed_out[0]["status"] == 408 and (b"connection", b"close") in timed_out[0]["headers"]
+    error = json.loads(timed_out[1]["body"])["error"]
+    assert error["code"] == "request_timeout" and "0.2 s" in error["message"]
+
+    async def cancelled() -> dict:
+        raise TaskCancelledError()
+
+    assert post(cancelled) == [] and routed == []
 
 
 def test_vllm_sampling_extensions_pass_only_at_their_neutral_values() -> None:
@@ -603,16 +645,92 @@ def test_tool_call_arguments_reach_the_template_as_objects() -> None:
         assert body.messages[1].for_template()["tool_calls"][0]["function"]["arguments"] == parsed
 
 
-def test_engine_liveness_counts_generated_text_only() -> None:
+def test_engine_liveness_counts_generated_text_and_heartbeats_only() -> None:
     liveness = EngineLiveness(window_s=60)
     assert not liveness.recent()
     liveness.saw(GenerateChunk.refusal(503, "the engine of this replica stopped"))
     assert not liveness.recent()
     liveness.saw(GenerateChunk(text_delta="a", num_output_tokens=1))
     assert liveness.recent()
+    beating = EngineLiveness(window_s=60)
+    beating.saw(GenerateChunk.alive())
+    assert beating.recent()
     expired = EngineLiveness(window_s=0)
     expired.saw(GenerateChunk(text_delta="a", num_output_tokens=1))
     assert not expired.recent()
+
+
+class _Source:
+    """A decode stream's chunks: "a" at once, "b" after 0.3 s, then silence; records being ended."""
+
+    def __init__(self) -> None:
+        self.ended = 0
+
+    async def chunks(self) -> AsyncIterator[GenerateChunk]:
+        try:
+            yield GenerateChunk(text_delta="a")
+            await asyncio.sleep(0.3)
+            yield GenerateChunk(text_delta="b")
+            await asyncio.sleep(60)
+            yield GenerateChunk(text_delta="never")
+        finally:
+            self.ended += 1
+
+
+def test_heartbeats_fill_a_quiet_stream_while_the_engine_lives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode replica whose requests stream nothing yet (waiting for a prefill replica, in a long prefill) sends
+    heartbeats so the ingress's `/health` need not queue a probe behind them; none once its engine loop is dead.
+    Leaving the stream, closed or cancelled as Serve cancels a call, ends the request's own chunks (its abort)."""
+    monkeypatch.setattr(heartbeats, "HEARTBEAT_S", 0.05)
+    source = _Source()
+
+    async def read(alive: bool) -> list[str]:
+        seen = []
+        stream = with_heartbeats(source.chunks(), lambda: alive)
+        async for chunk in stream:
+            seen.append("." if chunk.heartbeat else chunk.text_delta)
+            if chunk.text_delta == "b":
+                break
+        await stream.aclose()
+        return seen
+
+    seen = asyncio.run(read(alive=True))
+    assert seen[0] == "a" and seen[-1] == "b" and len(seen) >= 4 and set(seen[1:-1]) == {"."}, seen
+    assert source.ended == 1
+    assert asyncio.run(read(alive=False)) == ["a", "b"] and source.ended == 2
+
+    async def cancel_while_quiet() -> None:
+        async def consume() -> None:
+            async for _ in with_heartbeats(source.chunks(), lambda: True):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_while_quiet())
+    assert source.ended == 3
+
+
+def test_the_ingress_shows_heartbeats_to_liveness_only() -> None:
+    class Response:  # a decode call's remaining chunks
+        def __init__(self, chunks: list[GenerateChunk]) -> None:
+            self.chunks = chunks
+
+        async def __anext__(self) -> GenerateChunk:
+            return self.chunks.pop(0)
+
+        def cancel(self) -> None:
+            raise AssertionError("a finished call is not cancelled")
+
+    last = GenerateChunk(text_delta="b", finished=True, finish_reason="stop")
+    liveness = EngineLiveness(window_s=60)
+    stream = DecodeStream(Response([GenerateChunk.alive(), GenerateChunk.alive(), last]),
+                          GenerateChunk(text_delta="a"), liveness)
+    chunks = asyncio.run(stream.collect())
+    assert [c.text_delta for c in chunks] == ["a", "b"] and liveness.recent()
 
 
 def test_engine_refusals_name_the_field_at_fault(tiny_dir: Path) -> None:

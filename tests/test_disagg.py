@@ -19,15 +19,16 @@ import collections
 import dataclasses
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
 import ray
 import torch
 
-from app import engine_server
+from app import engine_server, heartbeats
 from app.config import AppConfig
 from app.decode import DecodeServer
 from app.prefill import PrefillServer
@@ -390,11 +391,28 @@ class _StubPrefill:
         self.handle_of = handle_of
         self.requests: list[PrefillRequest] = []
 
-    def remote(self, req: PrefillRequest) -> asyncio.Future:
+    def remote(self, req: PrefillRequest) -> _StubResponse:
         self.requests.append(req)
-        response = asyncio.get_running_loop().create_future()
-        response.set_result(self.handle_of(req))
-        return response
+        return _StubResponse(self.handle_of(req))
+
+
+class _StubResponse:
+    """A call the stub's replica accepted at once and answered with `handle`."""
+
+    def __init__(self, handle: KVHandle) -> None:
+        self.handle = handle
+
+    async def _to_object_ref(self) -> None:  # accepted: nothing to wait for
+        return None
+
+    async def _result(self) -> KVHandle:
+        return self.handle
+
+    def __await__(self) -> Generator[Any, None, KVHandle]:
+        return self._result().__await__()
+
+    def cancel(self) -> None:
+        pass
 
 
 class _Metrics:
@@ -468,6 +486,49 @@ def test_decode_prefills_locally_when_the_export_is_of_another_version(
     assert (last.finished, last.error_status, last.num_output_tokens, last.num_cached_tokens) == (True, None, 4, 0)
     [reference] = make_engine(tiny_dir, num_gpu_pages=64).generate([ids], [greedy(4)])
     assert "".join(c.text_delta for c in chunks) == reference.text
+
+
+class _Unaccepting:
+    """A prefill deployment whose calls no replica accepts: its replica died and the replacement is starting."""
+
+    def __init__(self) -> None:
+        self.prefill = self  # `handle.prefill.remote(...)`
+        self.cancelled = 0
+
+    def remote(self, req: PrefillRequest) -> _Unaccepting:
+        return self
+
+    async def _to_object_ref(self) -> None:
+        await asyncio.Event().wait()
+
+    def cancel(self) -> None:
+        self.cancelled += 1
+
+
+def test_decode_prefills_locally_when_no_prefill_replica_accepts(tiny_dir: Path, monkeypatch) -> None:
+    """Serve's router holds a call no replica can take; a long prompt waited out `prefill_timeout_s` for a dead
+    prefill replica's replacement, holding a decode slot, then prefilled locally. It waits only
+    `prefill_accept_timeout_s`, and sends heartbeats meanwhile (the replica is busy, not sick)."""
+    monkeypatch.setattr(heartbeats, "HEARTBEAT_S", 0.1)
+    ids = _prompt(2 * PAGE + 10, seed=17)
+    stub = _Unaccepting()
+
+    async def run() -> tuple[DecodeServer, list[GenerateChunk]]:
+        server = _decode_replica(tiny_dir, stub)
+        server._config = AppConfig.from_args({"model": {"path": str(tiny_dir)},
+                                              "disagg": {"prefill_accept_timeout_s": 0.5}})
+        try:
+            return server, [chunk async for chunk in server.generate(GenerateRequest("r5", ids, greedy(4)))]
+        finally:
+            server.engine.shutdown()
+
+    server, chunks = asyncio.run(run())
+    beats = [i for i, c in enumerate(chunks) if c.heartbeat]
+    first_text = next(i for i, c in enumerate(chunks) if not c.heartbeat)
+    assert len(beats) >= 3 and beats[0] < first_text
+    assert stub.cancelled == 1 and server.counters["transfer_fallbacks"] == 1 and server.metrics.outcomes == ["fallback"]
+    [reference] = make_engine(tiny_dir, num_gpu_pages=64).generate([ids], [greedy(4)])
+    assert "".join(c.text_delta for c in chunks) == reference.text and chunks[-1].finished
 
 
 def test_decode_reuses_a_prefix_held_on_the_host_without_a_transfer(
