@@ -75,13 +75,20 @@ class ResidencyManager:
     # --- demotion and promotion ----------------------------------------------------
 
     def demotable(self, req: PagedRequest) -> list[int]:
-        """Completed pages with a finished host copy whose GPU page can be dropped now.
+        """Completed pages with a finished host copy whose GPU page dropping frees now.
 
         The last completed page stays: with the page being written it is the request's
-        tail, the most recent tokens, which the indexer selects most often.
+        tail, the most recent tokens, which the indexer selects most often. A page another
+        request shares through the prefix cache stays too: dropping this request's
+        reference frees nothing while the other holds it, and the request would then read
+        from the host rows the GPU still has. (Counted as freed, such pages made demotion
+        promise pages it could not give, and leasing the hot buffer then found the pool
+        empty in the middle of a step.)
         """
         completed = req.num_computed_tokens // PAGE_SIZE
-        return [i for i in range(completed - 1) if req.mla_pages[i] is not None and req.host_pages[i] is not None]
+        refs = self.gpu_cache.pool.refs
+        return [i for i in range(completed - 1)
+                if req.mla_pages[i] is not None and req.host_pages[i] is not None and refs(req.mla_pages[i]) == 1]
 
     def demotion_gain(self, req: PagedRequest) -> int:
         """GPU pages a demotion of `req` would free, net of the hot buffer it must lease."""

@@ -413,3 +413,27 @@ def test_the_mechanism_never_names_a_policy() -> None:
         for name in ("hybrid", "offload", "preempt"):
             for quoted in (f'"{name}"', f"'{name}'"):
                 assert quoted not in code, f"{path.name} tests the policy name {quoted}"
+
+
+def test_hybrid_demotes_only_pages_it_alone_holds(tiny_dir: Path) -> None:
+    """Requests sharing a prefix through the prefix cache share its GPU pages. Demoting one of them counted the
+    shared pages as freed, released them (freeing nothing), and leasing its hot buffer then found the pool
+    empty: the step raised, which ends the engine loop of a replica. Only pages a request alone holds are
+    demoted; every request runs to its end, and matches a run without pressure."""
+    shared = _prompt(128, 40)
+    prompts = [shared + _prompt(10, 41 + i) for i in range(3)]
+    params = [greedy(200)] * 3
+    engine = make_engine(tiny_dir, num_gpu_pages=11, max_model_len=448,
+                         hisparse=HiSparseConfig(policy="hybrid", host_pool_gib=0.05))
+    for i, (prompt, param) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, param)
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        engine.check_integrity()
+        for req in engine.scheduler.running:
+            assert all(engine.kv.cache.pool.refs(req.mla_pages[i]) == 1 for i in engine.residency.demotable(req))
+    assert engine.stats()["pages_demoted"] > 0 and engine.stats()["prefix_cache_hit_tokens"] > 0
+    assert_pages_released(engine)
+    reference = make_engine(tiny_dir, max_model_len=448).generate(prompts, params)
+    assert [finished[f"r{i}"].token_ids for i in range(3)] == [o.token_ids for o in reference]
