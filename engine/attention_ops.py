@@ -58,8 +58,8 @@ class AttentionOps(Protocol):
         full layer's indexer `view` (`KVLayout.indexer_layer_view`); row t sees positions <= batch.positions[t].
 
         counts[t] = min(K, visible positions). K' = min(K, batch.max_context): shorter contexts select
-        fewer positions, the caller pads. Equal scores rank by position, so that chunking and
-        batching never change a selection. `full_index` with a request id names a stream of choices:
+        fewer positions, the caller pads. Equal scores rank by position, so that a tie never
+        resolves by the order rows or chunks arrive in. `full_index` with a request id names a stream of choices:
         implementations may keep per-stream state (a synthetic top-K trace). `derived` lives as long as one
         forward (`StepContext.derived`): what an implementation computes from `batch` alone may be kept there
         for the step's other full layers.

@@ -5,12 +5,13 @@ is argmax(logits / T + g) over the tokens top-k and top-p keep, with g =
 -log(-log(u)) and u uniform, which draws exactly from softmax(logits / T)
 restricted to those tokens. u comes from a counter-based hash of (request
 seed, position of the token in the output, vocabulary index) computed with
-64-bit integer arithmetic, so a seeded request draws the same tokens whatever
-it is batched with, after a preemption, and on a CPU or a GPU alike. The
-whole batch costs a fixed number of tensor operations (a sort only when some
-row asks for top-k or top-p), with no host synchronisation: it runs on the
-rank that computes the logits, inside the decode step's CUDA graph, and the
-token ids are read back once per step.
+64-bit integer arithmetic, so a seeded request draws the same numbers whatever
+it is batched with, after a preemption, and on a CPU or a GPU alike (its logits
+can still differ in their last bits with the step's row count, which can turn a
+near-tie). The whole batch costs a fixed number of tensor operations (a sort
+only when some row asks for top-k or top-p), with no host synchronisation: it
+runs on the rank that computes the logits, inside the decode step's CUDA graph,
+and the token ids are read back once per step.
 
 Numerically safe for every value `SamplingParams` accepts: temperatures below
 `MIN_TEMPERATURE` are greedy, the work is in float32, and top-k and top-p
