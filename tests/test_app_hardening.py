@@ -41,10 +41,14 @@ KEY, KEY_ENV = "hardening-secret", "HISPARSE_TEST_HARDENING_KEY"
 LONG_TURN = "the weather in the city of Paris " * 70  # about 800 prompt tokens: remote prefill
 
 
+BODY_TIMEOUT_S = 2.0
+
+
 def _args(model_dir: Path) -> dict[str, Any]:
     args = tiny_args(model_dir)
     args["decode"]["health_check_period_s"] = 1
     args["prefill"]["health_check_period_s"] = 1
+    args["api"]["body_timeout_s"] = BODY_TIMEOUT_S
     return args
 
 
@@ -270,6 +274,36 @@ def test_big_bodies_do_not_hold_up_small_requests(decode_replica: set[str]) -> N
         _assert_openai_error(response, 413)
     logger.info("small chat beside three 3 MB bodies: %.2f s, health %.2f s", small_s, health_s)
     assert small_s < 5 and health_s < 5
+
+
+def test_bodies_that_stop_arriving_are_answered_408(decode_replica: set[str]) -> None:
+    """Each connection that sends a byte of its body and then nothing holds an ingress slot; a few hundred held
+    them all and every other request waited. Each is answered 408 once `api.body_timeout_s` has passed, and the
+    service answers meanwhile."""
+
+    async def stalled() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", PORT)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{")
+        await writer.drain()
+        try:
+            return await asyncio.wait_for(reader.read(), 30)  # the server closes after its answer
+        finally:
+            writer.close()
+
+    async def run() -> tuple[list[bytes], int]:
+        held = [asyncio.create_task(stalled()) for _ in range(8)]
+        async with httpx.AsyncClient(base_url=BASE, timeout=30) as http:
+            health = await http.get("/health")
+        return await asyncio.gather(*held), health.status_code
+
+    answers, health = asyncio.run(run())
+    assert health == 200
+    for answer in answers:
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer[:200]
+        error = json.loads(body)["error"]
+        assert error["code"] == "request_timeout" and f"{BODY_TIMEOUT_S:g} s" in error["message"]
 
 
 def test_fuzzed_chat_bodies_get_a_status_never_a_crash(decode_replica: set[str]) -> None:
