@@ -67,12 +67,15 @@ def invalid_request(errors: Sequence[dict[str, Any]]) -> APIError:
     """The 400 for pydantic's validation errors: every distinct problem, the first field as `param`."""
     problems: list[str] = []
     params: list[str] = []
+    paths = {_field_path(error.get("loc", ())) for error in errors if error.get("type") != "json_invalid"}
     for error in errors:
         if error.get("type") == "json_invalid":
             reason = error.get("ctx", {}).get("error", error["msg"])
             problems.append(f"the request body is not valid JSON ({reason})")
             continue
         where = _field_path(error.get("loc", ())) or "body"
+        if any(path.startswith(f"{where}.") for path in paths):
+            continue  # a union member the value is not (a string, for a list that was sent): its inner errors say more
         params.append(where)
         problem = f"{where}: {error['msg'].removeprefix('Value error, ')}"
         if problem not in problems:

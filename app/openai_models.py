@@ -153,6 +153,14 @@ class TextPart(_Body):
     type: Literal["text"]
     text: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, part: Any) -> Any:
+        """An image, audio or file part is refused as what it is, not as a text part missing its `text`."""
+        if isinstance(part, dict) and isinstance(part.get("type"), str) and part["type"] != "text":
+            raise ValueError(f"this model reads text only: a content part of type {part['type']!r} cannot be read")
+        return part
+
 
 class CalledFunction(_Body):
     name: str = Field(min_length=1, max_length=256)

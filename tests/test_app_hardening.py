@@ -183,7 +183,7 @@ HOSTILE = [
      {"model": MODEL, "messages": [{"role": "user", "content": None}]}, 400, "messages.0"),
     ("an image part", "/v1/chat/completions",
      {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     400, "messages.0.content"),
+     400, "messages.0.content.0"),
     ("unknown role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
      400, "messages.0.role"),
     ("json response_format", "/v1/chat/completions", _chat("x", response_format={"type": "json_object"}),

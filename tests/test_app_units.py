@@ -611,6 +611,18 @@ def test_null_means_the_default() -> None:
     assert _refusal(CompletionRequest, {**_COMPLETION, "model": None}).param == "model"  # required stays required
 
 
+def test_content_parts_other_than_text_are_refused_as_what_they_are() -> None:
+    """An image sent to this text-only model is refused at its part, saying why; it read "Input should be a
+    valid string" for the whole content, then a missing `text` of a part that never had one."""
+    parts = [{"type": "text", "text": "what is in it?"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]
+    error = _refusal(ChatCompletionRequest, {**_CHAT, "messages": [{"role": "user", "content": parts}]})
+    assert error.param == "messages.0.content.1" and "'image_url'" in error.message and "string" not in error.message
+    wrong = _refusal(ChatCompletionRequest, {**_CHAT, "messages": [{"role": "user", "content": [{"type": "text"}]}]})
+    assert (wrong.param, wrong.message) == ("messages.0.content.0.text", "messages.0.content.0.text: Field required")
+    neither = _refusal(ChatCompletionRequest, {**_CHAT, "messages": [{"role": "user", "content": 5}]})
+    assert neither.param == "messages.0.content" and "valid string" in neither.message
+
+
 def _with_arguments(arguments: str | dict) -> dict:
     call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
     return {**_CHAT, "messages": [*_CHAT["messages"], {"role": "assistant", "content": None, "tool_calls": [call]}]}
