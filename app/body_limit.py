@@ -44,8 +44,7 @@ class BodyLimitMiddleware:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
-            await _refuse(send, 413, "request_too_large",
-                          f"the request body has at least {declared} bytes; this server accepts at most {self.max_bytes}")
+            await self._too_large(send, declared)
             return
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -55,11 +54,14 @@ class BodyLimitMiddleware:
                           f"the request body did not arrive within {self.timeout_s:g} s")
             return
         except _BodyTooLarge as exc:
-            await _refuse(send, 413, "request_too_large",
-                          f"the request body has at least {exc.size} bytes; this server accepts at most {self.max_bytes}")
+            await self._too_large(send, exc.size)
             return
         if body is not None:
             await self.app(scope, _replay(body, receive), send)
+
+    async def _too_large(self, send: Send, size: int) -> None:
+        await _refuse(send, 413, "request_too_large",
+                      f"the request body has at least {size} bytes; this server accepts at most {self.max_bytes}")
 
     async def _read(self, receive: Receive) -> bytes | None:
         """The whole body; None when the client went away while sending it."""
