@@ -673,13 +673,14 @@ def test_engine_liveness_counts_generated_text_and_heartbeats_only() -> None:
 
 
 class _Source:
-    """A decode stream's chunks: "a" at once, "b" after 0.3 s, then silence; records being ended."""
+    """A decode stream's chunks: "a" after 0.3 s, "b" 0.3 s later, then silence; records being ended."""
 
     def __init__(self) -> None:
         self.ended = 0
 
     async def chunks(self) -> AsyncIterator[GenerateChunk]:
         try:
+            await asyncio.sleep(0.3)
             yield GenerateChunk(text_delta="a")
             await asyncio.sleep(0.3)
             yield GenerateChunk(text_delta="b")
@@ -689,10 +690,11 @@ class _Source:
             self.ended += 1
 
 
-def test_heartbeats_fill_a_quiet_stream_while_the_engine_lives(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_heartbeats_fill_the_wait_for_a_first_chunk_while_the_engine_lives(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode replica whose requests stream nothing yet (waiting for a prefill replica, in a long prefill) sends
-    heartbeats so the ingress's `/health` need not queue a probe behind them; none once its engine loop is dead.
-    Leaving the stream, closed or cancelled as Serve cancels a call, ends the request's own chunks (its abort)."""
+    heartbeats so the ingress's `/health` need not queue a probe behind them; none once its engine loop is dead,
+    and none once text flows (the text is the proof). Leaving the stream, closed or cancelled as Serve cancels a
+    call, ends the request's own chunks (its abort), while it waits for the first chunk and after."""
     monkeypatch.setattr(heartbeats, "HEARTBEAT_S", 0.05)
     source = _Source()
 
@@ -707,23 +709,24 @@ def test_heartbeats_fill_a_quiet_stream_while_the_engine_lives(monkeypatch: pyte
         return seen
 
     seen = asyncio.run(read(alive=True))
-    assert seen[0] == "a" and seen[-1] == "b" and len(seen) >= 4 and set(seen[1:-1]) == {"."}, seen
+    assert seen[-2:] == ["a", "b"] and len(seen) >= 5 and set(seen[:-2]) == {"."}, seen
     assert source.ended == 1
     assert asyncio.run(read(alive=False)) == ["a", "b"] and source.ended == 2
 
-    async def cancel_while_quiet() -> None:
+    async def cancel_after(wait_s: float) -> None:
         async def consume() -> None:
             async for _ in with_heartbeats(source.chunks(), lambda: True):
                 pass
 
         task = asyncio.create_task(consume())
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(wait_s)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    asyncio.run(cancel_while_quiet())
-    assert source.ended == 3
+    asyncio.run(cancel_after(0.15))  # waiting for "a"
+    asyncio.run(cancel_after(1.0))  # after "b"
+    assert source.ended == 4
 
 
 def test_the_ingress_shows_heartbeats_to_liveness_only() -> None:
