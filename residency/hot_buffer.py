@@ -35,7 +35,13 @@ class HotLease:
 
 @dataclass
 class HotTables:
-    """One rank's LRU tables of one lease."""
+    """One rank's LRU tables of one lease.
+
+    The tables live across steps and are changed both inside a forward (the resolve, a speculative step growing
+    the reverse map) and outside it (the scheduler resizing a lease), so every tensor they hold is made outside
+    inference mode: one made inside a forward is an inference tensor, which torch refuses to update in place
+    outside one (a speculative step's grown map, shrunk by the next resize, ended the engine loop).
+    """
 
     pages: tuple[int, ...]  # the GPU pages of the slots, in slot order
     hot_slots: torch.Tensor  # [R] int32 physical slot of each hot slot
@@ -55,6 +61,7 @@ class HotTables:
                 torch.zeros((num_groups, rows), dtype=torch.int64, device=device))
 
     @classmethod
+    @torch.inference_mode(False)
     def new(cls, pages: tuple[int, ...], num_groups: int, capacity: int, device: torch.device) -> "HotTables":
         slot_pos, slot_stamp = cls._empty(num_groups, len(pages) * PAGE_SIZE, device)
         return cls(
@@ -65,6 +72,7 @@ class HotTables:
             pos_to_hot=torch.full((num_groups, capacity), -1, dtype=torch.int32, device=device),
         )
 
+    @torch.inference_mode(False)
     def ensure_capacity(self, num_tokens: int) -> None:
         """Grows the reverse map to cover positions below `num_tokens`."""
         have = self.pos_to_hot.shape[1]
@@ -74,6 +82,7 @@ class HotTables:
         pad = torch.full((self.pos_to_hot.shape[0], grow), -1, dtype=torch.int32, device=self.pos_to_hot.device)
         self.pos_to_hot = torch.cat([self.pos_to_hot, pad], dim=1)
 
+    @torch.inference_mode(False)
     def resize(self, pages: tuple[int, ...], capacity: int) -> None:
         """Refits the tables to `pages`, which keep the current pages' order: either a prefix of them
         (shrink) or all of them followed by new ones (grow). Slots of kept pages keep their tokens and

@@ -15,6 +15,7 @@ from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
 from kernels.resolve import one_chunk_rows
 from residency import rank as rank_residency
+from residency.hot_buffer import HotTables
 from residency.rank import TALLY_SIZE, NonResidentSpec, RankResidency, counts_of
 from residency.stats import ResolveCounts
 
@@ -155,3 +156,21 @@ def test_a_lease_past_one_chunk_is_wide(tiny_dir: Path) -> None:
     assert not residency.wide_leases(specs) and not residency.wide_leases([])
     residency.resize_lease("a", range(one_chunk_pages + 1), 8 * PAGE)  # an extend grows it past one chunk
     assert residency.wide_leases(specs) and not residency.wide_leases(specs[1:])
+
+
+def test_hot_tables_grown_in_a_forward_are_resized_outside_one() -> None:
+    """A speculative step grows a request's reverse map inside the forward (inference mode); the scheduler then
+    shrinks the lease outside it. A table made in inference mode refused that in-place update, and the
+    engine loop died (2+ drafts under hybrid pressure, through the served app). Every table stays an ordinary
+    tensor, and both sides may update it."""
+    with torch.inference_mode():
+        tables = HotTables.new((1, 2), 2, 100, torch.device("cpu"))
+        tables.ensure_capacity(1000)
+        tables.resize((1, 2, 3), 1000)  # a verifying step's union of selections needs more slots
+        tables.pos_to_hot[0, 900] = 150
+    assert not any(t.is_inference() for t in (tables.hot_slots, tables.slot_pos, tables.slot_stamp, tables.pos_to_hot))
+    tables.resize((1,), 1000)  # back to the decode lease: slot 150 is gone
+    assert tables.pos_to_hot[0, 900] == -1 and tables.slot_pos.shape == (2, 64)
+    with torch.inference_mode():
+        tables.lease(0).pos_to_hot[5] = 3  # the resolve updates the tables in place during the forward
+    assert tables.pos_to_hot[0, 5] == 3
