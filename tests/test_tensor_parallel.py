@@ -24,6 +24,7 @@ from engine.executors.placement import placement_group_bundles
 from engine.llm_engine import LLMEngine
 from engine.model import GlmMoeDsaForCausalLM
 from engine.model_config import ModelConfig
+from engine.request import SamplingParams
 from engine.tp.tensor_parallel import TensorParallel
 from engine.weights import FP8_BLOCK, _read_slice, dequantize_fp8_block, load_weights, random_init
 from residency.config import HiSparseConfig
@@ -125,6 +126,19 @@ def test_next_turn_loads_its_host_prefix_on_every_rank(tiny_dir: Path, split_hyb
     assert second.num_cached_tokens == per_page and engine.stats()["hot_misses"] > 0
     [ref] = make_engine(tiny_dir).generate([turn2], [greedy(8)])
     assert second.token_ids == ref.token_ids
+
+
+def test_steps_that_sample_no_row_run_on_split_ranks(tiny_dir: Path) -> None:
+    """A prompt longer than a step's token budget takes steps whose rows all continue its prefill: none samples.
+    The ranks' gather of the vocabulary split's logits could not reshape zero rows, and every rank died."""
+    prompt = _prompts()[0][:100]
+    params = [greedy(3), SamplingParams(max_tokens=3, temperature=1.0, seed=5, ignore_eos=True)]
+    split = make_engine(tiny_dir, tensor_parallel_size=2, executor="mp", max_num_batched_tokens=64)
+    try:
+        got = [o.token_ids for o in split.generate([prompt, prompt], params)]
+    finally:
+        split.shutdown()
+    assert got == [o.token_ids for o in make_engine(tiny_dir, max_num_batched_tokens=64).generate([prompt] * 2, params)]
 
 
 def test_shared_host_pool_and_page_copies(split_hybrid: LLMEngine) -> None:

@@ -47,12 +47,12 @@ class TensorParallel:
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """[S, n] on every rank -> [S, size * n], rank r's columns at r * n (a vocabulary split's logits);
-        every rank receives the whole."""
+        every rank receives the whole. S may be 0 (a step of prompt chunks that samples nothing)."""
         if self.size == 1:
             return x
         parts = torch.empty((self.size * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
         _gather_into(parts, x.contiguous())  # one collective into one buffer: capturable in a CUDA graph
-        return parts.view(self.size, *x.shape).permute(1, 0, 2).reshape(x.shape[0], -1)
+        return parts.view(self.size, *x.shape).permute(1, 0, 2).reshape(x.shape[0], self.size * x.shape[1])
 
     def argmax_columns(self, x: torch.Tensor) -> torch.Tensor:
         """int64 [S]: the column of each row's largest value in [S, size * n], of which every rank holds its
