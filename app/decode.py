@@ -33,6 +33,7 @@ from app.messages import GenerateChunk, GenerateRequest, PrefillRequest
 from disagg.host_tier import TransferFailed, fetch
 from disagg.landing import cached_prefix_tokens, land_prefix
 from engine.request import InvalidRequestError
+from residency.page_pool import OutOfPages
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ class DecodeServer(EngineServer):
         except asyncio.CancelledError:
             response.cancel()
             raise
-        except (RayError, RayServeException, TransferFailed, ValueError, asyncio.TimeoutError) as exc:
+        except (RayError, RayServeException, TransferFailed, ValueError, OutOfPages, asyncio.TimeoutError) as exc:
             response.cancel()
             logger.warning("%s: remote prefill failed, prefilling locally: %r", req.request_id, exc)
             self.counters["transfer_fallbacks"] += 1

@@ -118,18 +118,18 @@ def _land_on_host(engine: LLMEngine, token_ids: list[int], export: KVExport) -> 
 
 
 def _cache_group(cache: PrefixCache, data: torch.Tensor, pages: list[tuple], held: list[int]) -> bool:
-    """Caches every page of `pages` (use, key, bytes) in `cache` over `data`, or none; pins them in `held`."""
+    """Caches every page of `pages` (use, key, bytes) in `cache` over `data`, or none; pins them in `held`. The
+    pages found count against the room when evictable (acquiring them takes them out of it)."""
+    found = [page for use, key, _ in pages if (page := cache.lookup(use, key)) is not None]
     missing = [p for p in pages if cache.lookup(p[0], p[1]) is None]
-    if len(missing) > cache.num_available:
+    if len(missing) + cache.revival_cost(found) > cache.num_available:
         return False
-    for use, key, _ in pages:
-        page = cache.lookup(use, key)
-        if page is not None:
-            cache.acquire(page)
-            held.append(page)
+    for page in found:
+        cache.acquire(page)
+        held.append(page)
     for use, key, bytes_ in missing:
         [page] = cache.allocate(1, use)
+        held.append(page)
         data[page].copy_(bytes_)
         cache.insert(page, use, key)
-        held.append(page)
     return True

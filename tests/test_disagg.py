@@ -233,6 +233,26 @@ def test_landing_stops_where_the_pool_is_full(tiny_dir: Path, engines: tuple[LLM
     decode.kv.check_integrity()
 
 
+def test_cached_pages_of_a_landing_group_count_against_the_room(tiny_dir: Path, engines: tuple[LLMEngine, LLMEngine]
+                                                                ) -> None:
+    """The receiver holds the export's head and, evictable, four MLA pages of its next group (an earlier prompt
+    diverged inside it). Acquiring those takes them out of the room the group's missing pages were checked
+    against: the install raised `OutOfPages`, and the pages it had allocated were held by nobody for good."""
+    prefill, _ = engines
+    head, group = _prompt(PAGE, seed=50), _prompt(PAGE, seed=51)
+    ids = head + group + _prompt(10, seed=52)
+    decode = make_engine(tiny_dir, num_gpu_pages=24)
+    decode.generate([head + group[:256] + _prompt(70, seed=53)], [greedy(1)])
+    decode.add_request("busy", _prompt(300, seed=54), greedy(200))
+    decode.step()
+    held = cached_prefix_tokens(decode, ids)
+    export = _prefill_and_export(prefill, ids, start_tokens=held)
+    assert held == PAGE and export.num_pages <= decode.kv.num_available  # the GPU path is taken
+    assert land_prefix(decode, ids, export) == (PAGE, 0, "gpu")  # the next group does not fit: lands nothing
+    decode.abort_request("busy")
+    assert_pages_released(decode)
+
+
 def test_short_gpu_pool_lands_on_host_and_the_request_starts_non_resident(
     tiny_dir: Path, engines: tuple[LLMEngine, LLMEngine]
 ) -> None:
