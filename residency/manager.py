@@ -159,6 +159,7 @@ class ResidencyManager:
     def release(self, req: PagedRequest) -> None:
         """Drops `req`'s host pages and hot buffer (its GPU pages are the engine's to release)."""
         self.mirroring.forget(req)
+        self.swapping.forget(req)
         for page in req.host_pages + req.host_indexer_pages:
             if page is not None:
                 self.host.cache.release(page)

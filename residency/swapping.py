@@ -32,7 +32,13 @@ class Swapping:
         self.mirroring, self.hot, self.stats = mirroring, hot, stats
         self.load_pages = load_pages  # host pages -> GPU pages on every rank, counted
         self.offload_budget_pages = offload_budget_pages
-        self.parked_indexer_pages = 0
+        # Indexer pages each parked (`hybrid`) request holds on host, within `offload_budget_pages`; an entry
+        # leaves when its request is swapped in or ends (an aborted parked request kept its share for good).
+        self._parked: dict[str, int] = {}
+
+    @property
+    def parked_indexer_pages(self) -> int:
+        return sum(self._parked.values())
 
     def swap_out(self, req: PagedRequest) -> bool:
         """Copies every page of `req` not yet on host there and frees its GPU pages; False if host is short.
@@ -58,11 +64,16 @@ class Swapping:
             self.gpu_cache.release(page)
         self.hot.release(req)
         self.stats.pages_swapped_out += len(moved)
-        self.parked_indexer_pages += len(req.host_indexer_pages) if self.config.traits.runs_from_host else 0
+        if self.config.traits.runs_from_host:
+            self._parked[req.request_id] = len(req.host_indexer_pages)
         req.mla_pages = [None] * len(req.mla_pages)
         req.indexer_pages = []
         req.pages_changed_at(0)
         return True
+
+    def forget(self, req: PagedRequest) -> None:
+        """`req` ended (finished or aborted, parked or not): its indexer pages leave the parking budget."""
+        self._parked.pop(req.request_id, None)
 
     def _indexer_budget_allows(self, indexer_pages: int) -> bool:
         if not self.config.traits.runs_from_host:
@@ -93,8 +104,7 @@ class Swapping:
         mla = self.gpu_cache.allocate(len(mla_idx), PageUse.MLA)
         idx = self.gpu_cache.allocate(len(idx_idx), PageUse.INDEXER)
         self.load_pages([req.host_pages[i] for i in mla_idx] + list(req.host_indexer_pages), mla + idx)
-        if self.config.traits.runs_from_host:
-            self.parked_indexer_pages -= len(req.host_indexer_pages)
+        self._parked.pop(req.request_id, None)
         for page in req.host_indexer_pages:  # the GPU copies grow from here; host copies go stale
             self.host.cache.release(page)
         req.indexer_pages, req.host_indexer_pages = idx, [None] * len(idx)

@@ -437,3 +437,24 @@ def test_hybrid_demotes_only_pages_it_alone_holds(tiny_dir: Path) -> None:
     assert_pages_released(engine)
     reference = make_engine(tiny_dir, max_model_len=448).generate(prompts, params)
     assert [finished[f"r{i}"].token_ids for i in range(3)] == [o.token_ids for o in reference]
+
+
+def test_aborting_a_parked_request_returns_its_share_of_the_parking_budget(tiny_dir: Path) -> None:
+    """`hybrid` parks a request's indexer pages within `offload_pool_gib`; a parked request that was aborted kept
+    its share for good, and once the phantom shares filled the budget, parking was refused and requests were
+    preempted (recomputed) instead."""
+    page_bytes = make_engine(tiny_dir, num_gpu_pages=4).layout.page_bytes
+    hs = HiSparseConfig(policy="hybrid", hot_rows=200, host_pool_gib=64 * page_bytes / 2**30,
+                        offload_pool_gib=2 * page_bytes / 2**30 + 1e-9)
+    engine = make_engine(tiny_dir, num_gpu_pages=16, hisparse=hs, async_scheduling=False)
+    swapping = engine.residency.swapping
+    for i in range(4):
+        engine.add_request(f"r{i}", _prompt(300, 60 + i), greedy(140))
+    _run_until(engine, lambda: bool(engine.scheduler.swapped))
+    assert swapping.parked_indexer_pages > 0
+    assert engine.abort_request(engine.scheduler.swapped[0].request_id)
+    assert swapping.parked_indexer_pages == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert_pages_released(engine)
+    assert engine.residency.host.num_in_use() == 0 and swapping.parked_indexer_pages == 0
