@@ -103,8 +103,8 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
-            if not finished:
-                self.abort(request_id)
+            if not finished:  # its consumer left: nobody reads the stream
+                self._end(request_id, None)
 
     async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs `fn(engine)` on the engine thread between steps (page transfers, stats)."""
@@ -117,25 +117,29 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
-        """Ends the request: a request still waiting in the inbox is taken out of it (the engine never sees it);
-        one the engine holds is aborted at the next drain. An abort queued beside its own add would reach the
-        engine first, find nothing, and the add would then run the request to its last token for nobody."""
+        """Ends the request; a consumer still reading its stream gets `RequestCancelledError` (it waited for
+        good: the stream was dropped with nothing more to come)."""
+        self._end(request_id, RequestCancelledError(f"request {request_id!r} was aborted"))
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        """Ends the request as `abort` does, its stream with `RequestCancelledError(reason)`: for a watcher that
+        knows the stream's consumer is gone when the consumer itself cannot close it."""
+        self._end(request_id, RequestCancelledError(reason))
+
+    def _end(self, request_id: str, error: RequestCancelledError | None) -> None:
+        """Takes the request out of the inbox if it still waits there (the engine never sees it), else has the
+        engine abort it at the next drain; its stream, if still read, ends with `error`. An abort queued beside
+        its own add would reach the engine first, find nothing, and the add would then run the request to its
+        last token for nobody."""
         with self._lock:
-            self._streams.pop(request_id, None)
+            stream = self._streams.pop(request_id, None)
             queued = len(self._adds)
             self._adds = [add for add in self._adds if add[0] != request_id]
             if len(self._adds) == queued:
                 self._aborts.append(request_id)
         self._wake.set()
-
-    def cancel(self, request_id: str, reason: str) -> None:
-        """Ends the request as `abort` does, and its stream with `RequestCancelledError(reason)`: for a watcher
-        that knows the stream's consumer is gone when the consumer itself cannot close it."""
-        with self._lock:
-            stream = self._streams.get(request_id)
-        self.abort(request_id)
-        if stream is not None:
-            stream.put(RequestCancelledError(reason))
+        if stream is not None and error is not None:
+            stream.put(error)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the loop after the current step (pending streams get an error), then the ranks."""

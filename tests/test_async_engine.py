@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, RequestCancelledError
 from engine.config import EngineConfig
 from engine.request import InvalidRequestError, SamplingParams
 
@@ -53,6 +53,23 @@ def test_concurrent_streams_and_cancellation_free_pages(engine: AsyncEngine) -> 
     assert engine.wait_idle()
     assert engine.engine.kv.num_pages_in_use() == 0
     engine.engine.check_integrity()
+
+
+def test_an_abort_ends_the_stream_its_consumer_still_reads(engine: AsyncEngine) -> None:
+    """`abort` by id (an operator's or a timeout's, not the consumer's own leaving) dropped the stream with nothing
+    more to come: its reader waited for good."""
+    async def run() -> int:
+        got = 0
+        with pytest.raises(RequestCancelledError, match="aborted"):
+            async with asyncio.timeout(30):
+                async for _ in engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=200, ignore_eos=True), "x"):
+                    got += 1
+                    if got == 3:
+                        engine.abort("x")
+        return got
+
+    assert asyncio.run(run()) >= 3
+    assert engine.wait_idle() and engine.engine.kv.num_pages_in_use() == 0
 
 
 def test_invalid_request_raises_before_streaming(engine: AsyncEngine) -> None:
