@@ -1,7 +1,8 @@
 """Landing an export on a decode replica: its pages join the replica's prefix cache, on GPU or on host.
 
 `land_prefix` is the one entry point and receives the whole engine. When the
-GPU pool can take every page of the export now, the pages land on GPU pages
+GPU pool can take every page of the export now (under the hybrid policy: and
+still hold the rest of the prompt and a hot lease), the pages land on GPU pages
 through the engine's prefix install. Otherwise, if the replica runs the hybrid
 residency policy, they land in its pinned host pool under the same prefix
 hashes: the request then admits with its prefix host-only (residency state
@@ -75,7 +76,8 @@ def land_prefix(engine: LLMEngine, token_ids: list[int], export: KVExport) -> La
                     held, export.start_tokens)
         return Landing(held, 0, "none")
     residency = engine.residency
-    if export.num_pages > engine.kv.num_available and residency is not None and residency.config.traits.runs_from_host:
+    if (residency is not None and residency.config.traits.runs_from_host
+            and _gpu_room_needed(engine, token_ids, export) > engine.kv.num_available):
         landed = _land_on_host(engine, token_ids, export)
         return Landing(max(held, export.start_tokens + landed), landed, "host")
     layout = engine.layout
@@ -88,6 +90,14 @@ def land_prefix(engine: LLMEngine, token_ids: list[int], export: KVExport) -> La
     )
     installed = install_prefix(engine.kv, engine.runner.executor, token_ids, snap)
     return Landing(max(installed, held), max(installed - held, 0), "gpu")
+
+
+def _gpu_room_needed(engine: LLMEngine, token_ids: list[int], export: KVExport) -> int:
+    """GPU pages a landing on the GPU needs free so its request can then run there: the export's, the rest of
+    the prompt's and a hot lease. Landed on pages it fills, the prefix left no room for the rest, and the
+    request could only start by computing the prefix again."""
+    rest = engine.kv.pages_for_tokens(len(token_ids) - export.num_tokens)
+    return export.num_pages + rest + engine.residency.hot.pages_per_lease
 
 
 def _land_on_host(engine: LLMEngine, token_ids: list[int], export: KVExport) -> int:

@@ -81,16 +81,21 @@ class KVCacheManager:
             idx.append(page)
         return hashes, mla[: len(idx) * per_idx], idx
 
-    def match_prefix(self, req: Request) -> int:
-        """Attaches cached pages of the longest reusable prefix of `req`'s tokens; returns its token count."""
+    def match_prefix(self, req: Request, reuse: bool = True) -> int:
+        """Attaches cached pages of the longest reusable prefix of `req`'s tokens; returns its token count.
+        `reuse=False` attaches none (the request computes its whole prompt) and returns 0."""
         if not self.enable_prefix_cache:
             return 0
         tokens = req.all_token_ids
         req.page_hashes, mla, idx = self.lookup_prefix(tokens)
+        if not reuse:
+            mla, idx = [], []
         for page in mla + idx:
             self.cache.acquire(page)
         req.mla_pages, req.indexer_pages = list(mla), idx
         req.pages_replaced_from(0)
+        if not reuse:
+            return 0
         if not self._extend_into_indexer_page(req, (len(tokens) - 1) // self.page_size):
             if self.residency is not None and self.residency.config.traits.runs_from_host:
                 self._extend_from_host(req, (len(tokens) - 1) // self.page_size)

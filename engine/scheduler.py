@@ -256,19 +256,36 @@ class Scheduler:
             freed += residency.demote(req)
         return freed >= needed
 
+    def _try_admit(self, req: Request, budget: int) -> int | None:
+        """Matches `req`'s cached prefix and takes the pages of its first chunk: the chunk's token count, or None
+        when it must wait.
+
+        A request whose own cached prefix leaves no room for the rest of its prompt, with nothing running or
+        swapped that could free pages, is admitted without the prefix and computes it again. It had waited for
+        good, its prefix's pages taken and given back every step (a prefix landed from a prefill replica that
+        filled a `hybrid` pool).
+        """
+        for reuse in (True, False):
+            hit = self.kv.match_prefix(req, reuse)
+            req.num_computed_tokens = hit
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = hit
+            num_new = self._chunk(req, budget)
+            if self._admit_pages(req, hit + num_new):
+                return num_new
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            if not hit or self.running or self.swapped:
+                return None
+        return None
+
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if self._done_by_length(req):
                 break
-            hit = self.kv.match_prefix(req)
-            req.num_computed_tokens = hit
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = hit
-            num_new = self._chunk(req, budget)
-            if not self._admit_pages(req, hit + num_new):
-                self.kv.free(req)
-                req.num_computed_tokens = 0
+            num_new = self._try_admit(req, budget)
+            if num_new is None:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING

@@ -40,7 +40,7 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.kv_layout import KVLayout
 from engine.llm_engine import LLMEngine
-from engine.prefix_transfer import PrefixSnapshot, snapshot_prefix
+from engine.prefix_transfer import PrefixSnapshot, install_prefix, snapshot_prefix
 from engine.request import SamplingParams
 from residency.config import HiSparseConfig
 from tests.helpers import assert_pages_released, greedy, make_engine
@@ -251,6 +251,39 @@ def test_cached_pages_of_a_landing_group_count_against_the_room(tiny_dir: Path, 
     assert land_prefix(decode, ids, export) == (PAGE, 0, "gpu")  # the next group does not fit: lands nothing
     decode.abort_request("busy")
     assert_pages_released(decode)
+
+
+def test_a_prefix_that_would_fill_a_hybrid_pool_lands_on_host(tiny_dir: Path, engines: tuple[LLMEngine, LLMEngine]
+                                                              ) -> None:
+    """Two indexer groups fit the 20-page pool exactly, but then the rest of the prompt would not: landed on the
+    GPU, the prefix left its request waiting for good (nothing else runs to free a page). It lands on host, and
+    the request runs from there without computing it again. A prefix already landed so (a local first run, an
+    earlier replica state) is given up instead: the request computes it again rather than wait."""
+    prefill, _ = engines
+    ids = _prompt(2 * PAGE + 417, seed=55)
+    export = _prefill_and_export(prefill, ids)
+    hybrid = HiSparseConfig(policy="hybrid", host_pool_gib=0.05)
+    decode = make_engine(tiny_dir, num_gpu_pages=20, max_model_len=2048, hisparse=hybrid)
+    assert export.num_pages == decode.kv.num_available == 20
+    assert land_prefix(decode, ids, export) == (2 * PAGE, 2 * PAGE, "host")
+    [out] = decode.generate([ids], [greedy(8)])
+    assert out.num_cached_tokens == 2 * PAGE
+    [reference] = make_engine(tiny_dir, num_gpu_pages=64, max_model_len=2048).generate([ids], [greedy(8)])
+    assert out.token_ids == reference.token_ids
+    assert_pages_released(decode)
+
+    filled = make_engine(tiny_dir, num_gpu_pages=20, max_model_len=2048, hisparse=hybrid)
+    snapshot = _prefill_and_snapshot(prefill, ids)
+    assert install_prefix(filled.kv, filled.runner.executor, ids, snapshot) == 2 * PAGE  # the pool is full of it
+    filled.add_request("again", ids, greedy(8))
+    finished = []
+    for _ in range(200):  # it waited for good
+        finished += [o for o in filled.step() if o.finished]
+        if not filled.has_unfinished():
+            break
+    [again] = finished
+    assert again.num_cached_tokens == 0 and again.token_ids == reference.token_ids
+    assert_pages_released(filled)
 
 
 def test_short_gpu_pool_lands_on_host_and_the_request_starts_non_resident(
