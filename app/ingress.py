@@ -135,6 +135,9 @@ class OpenAIIngress:
         self.tokenizer = Tokenizer.from_dir(config.model.path)
         model_len = ModelConfig.from_dir(config.model.path).max_position_embeddings
         self.max_model_len = config.engine.max_model_len or model_len
+        if (config.api.max_prompt_tokens or 0) >= self.max_model_len:
+            logger.warning("api.max_prompt_tokens %d is not below the context length %d: it admits nothing the context "
+                           "length does not", config.api.max_prompt_tokens, self.max_model_len)
         self.max_body_bytes = config.api.body_limit(self.max_model_len)
         self.body_timeout_s = config.api.body_timeout_s
         # The digest carried in the args (key set where the app was built), else the key set here.

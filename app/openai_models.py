@@ -247,7 +247,9 @@ class CompletionRequest(GenerationRequest):
     best_of: int | None = Field(None, ge=1, le=INT32_MAX)
 
     def unsupported(self) -> tuple[str, str] | None:
-        for name in ("echo", "logprobs", "suffix"):
+        if self.logprobs is not None:  # 0 asks for the sampled tokens' logprobs
+            return "logprobs", "logprobs are not supported"
+        for name in ("echo", "suffix"):  # an empty suffix is no suffix
             if getattr(self, name):
                 return name, f"{name} is not supported"
         if self.best_of not in (None, 1):

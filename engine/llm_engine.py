@@ -109,6 +109,10 @@ class _SpecLaunch:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r} (engine.device in a Serve config, --device on the CLI) "
+                               f"but this process sees no CUDA device (torch {torch.__version__}, built for CUDA "
+                               f"{torch.version.cuda}); use device cpu, or run the replica where a GPU is")
         self.config = config
         self.model_config = ModelConfig.from_dir(config.model)
         # Checkpoints without tokenizer files still serve token-id requests (text stays empty).

@@ -572,6 +572,13 @@ def test_vllm_sampling_extensions_pass_only_at_their_neutral_values() -> None:
         assert refused is not None and refused[0] == field, (field, refused)
 
 
+def test_completion_logprobs_zero_is_refused_not_ignored() -> None:
+    """`logprobs: 0` asks for the sampled tokens' own logprobs: it was taken as unset and answered without them."""
+    completion = {"model": "m", "prompt": "x"}
+    assert CompletionRequest.model_validate({**completion, "logprobs": 0}).unsupported()[0] == "logprobs"
+    assert CompletionRequest.model_validate({**completion, "logprobs": None, "suffix": ""}).unsupported() is None
+
+
 def _refusal(model: type[BaseModel], body: dict) -> APIError:
     """The 400 the API answers for `body`, from the same JSON path a request takes."""
     with pytest.raises(ValidationError) as info:

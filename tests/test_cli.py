@@ -7,6 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from engine.cli import _submit, build_parser
 from tests.helpers import make_engine
 
@@ -82,6 +85,12 @@ def test_user_errors_end_with_a_message_not_a_traceback(tiny_dir: Path, tmp_path
                  ("generate", "--model", str(tiny_dir), "--device", "bogus", "--prompt", "hi")):
         proc = run_cli(*args)
         assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_cuda_without_a_gpu_is_a_clear_error(tiny_dir: Path) -> None:
+    proc = run_cli("generate", "--model", str(tiny_dir), "--device", "cuda", "--prompt", "hi")
+    assert proc.returncode == 2 and "sees no CUDA device" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_one_stop_string_is_one_stop(tiny_dir: Path) -> None:
