@@ -256,7 +256,7 @@ def test_user_text_never_becomes_a_role_marker(cluster: None) -> None:
 def test_big_bodies_do_not_hold_up_small_requests(decode_replica: set[str]) -> None:
     big = json.dumps(_chat("lorem ipsum " * 250_000))  # 3 MB
 
-    async def run() -> tuple[list[httpx.Response], float, float]:
+    async def run() -> tuple[list[httpx.Response | BaseException], float, float]:
         async with httpx.AsyncClient(base_url=BASE, timeout=60) as http:
             bigs = [asyncio.create_task(http.post("/v1/chat/completions", content=big,
                                                   headers={"content-type": "application/json"}))
@@ -267,10 +267,14 @@ def test_big_bodies_do_not_hold_up_small_requests(decode_replica: set[str]) -> N
             assert small.status_code == 200
             started = time.monotonic()
             assert (await http.get("/health")).status_code == 200
-            return await asyncio.gather(*bigs), small_s, time.monotonic() - started
+            return await asyncio.gather(*bigs, return_exceptions=True), small_s, time.monotonic() - started
 
     bigs, small_s, health_s = asyncio.run(run())
     for response in bigs:
+        # Refused before it is read, the upload is cut off: the proxy closes the connection with most of the body
+        # unread, and under load the kernel's reset can overtake the 413 on its way to the client.
+        if isinstance(response, httpx.TransportError):
+            continue
         _assert_openai_error(response, 413)
     logger.info("small chat beside three 3 MB bodies: %.2f s, health %.2f s", small_s, health_s)
     assert small_s < 5 and health_s < 5
