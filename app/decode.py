@@ -49,8 +49,8 @@ class DecodeServer(EngineServer):
         self._reuse_unit = kv.indexer_page_tokens
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Streams the request's chunks, with heartbeats while it is quiet (`app.heartbeats`); a request the
-        engine refuses yields one refusal chunk."""
+        """Streams the request's chunks, with heartbeats while it waits for its first (`app.heartbeats`); a
+        request the engine refuses yields one refusal chunk."""
         async for chunk in with_heartbeats(self._chunks(req), self.engine.is_healthy):
             yield chunk
 
