@@ -128,18 +128,13 @@ def _land_on_host(engine: LLMEngine, token_ids: list[int], export: KVExport) -> 
 
 
 def _cache_group(cache: PrefixCache, data: torch.Tensor, pages: list[tuple], held: list[int]) -> bool:
-    """Caches every page of `pages` (use, key, bytes) in `cache` over `data`, or none; pins them in `held`. The
-    pages found count against the room when evictable (acquiring them takes them out of it)."""
-    found = [page for use, key, _ in pages if (page := cache.lookup(use, key)) is not None]
-    missing = [p for p in pages if cache.lookup(p[0], p[1]) is None]
-    if len(missing) + cache.revival_cost(found) > cache.num_available:
+    """Caches every page of `pages` (use, key, bytes) in `cache` over `data`, or none (`PrefixCache.claim`); pins
+    them in `held`."""
+    fresh = cache.claim([(use, key) for use, key, _ in pages], held)
+    if fresh is None:
         return False
-    for page in found:
-        cache.acquire(page)
-        held.append(page)
-    for use, key, bytes_ in missing:
-        [page] = cache.allocate(1, use)
-        held.append(page)
-        data[page].copy_(bytes_)
-        cache.insert(page, use, key)
+    for page, (use, key, bytes_) in zip(fresh, pages):
+        if page is not None:
+            data[page].copy_(bytes_)
+            cache.insert(page, use, key)
     return True

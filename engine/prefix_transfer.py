@@ -80,25 +80,13 @@ def install_prefix(kv: KVCacheManager, pages: PageStore, token_ids: list[int], s
 
 
 def _install_pages(kv: KVCacheManager, store: PageStore, group: list[tuple], held: list[int]) -> bool:
-    """Caches every page of `group` (use, key, bytes) or none; pins them in `held`.
-
-    The pages the cache already has count against the room too when they are evictable: acquiring them takes
-    them out of it (a group whose cached head was evictable was let in on its missing pages alone, and its
-    last allocation then failed with the pages before it held by nobody).
-    """
-    found = [page for use, key, _ in group if (page := kv.cache.lookup(use, key)) is not None]
-    missing = [p for p in group if kv.cache.lookup(p[0], p[1]) is None]
-    if len(missing) + kv.cache.revival_cost(found) > kv.num_available:
+    """Caches every page of `group` (use, key, bytes) or none (`PrefixCache.claim`); pins them in `held`."""
+    fresh = kv.cache.claim([(use, key) for use, key, _ in group], held)
+    if fresh is None:
         return False
-    for page in found:
-        kv.cache.acquire(page)
-        held.append(page)
-    fresh = []
-    for use, _, _ in missing:
-        fresh += kv.cache.allocate(1, use)
-        held.append(fresh[-1])  # released (freed: not yet findable) if what follows fails
-    if fresh:
-        store.write_pages(fresh, torch.stack([data for _, _, data in missing]))
-    for page, (use, key, _) in zip(fresh, missing):
+    new = [(page, entry) for page, entry in zip(fresh, group) if page is not None]
+    if new:
+        store.write_pages([page for page, _ in new], torch.stack([data for _, (_, _, data) in new]))
+    for page, (use, key, _) in new:
         kv.cache.insert(page, use, key)
     return True

@@ -108,6 +108,28 @@ class PrefixCache:
         else:
             self._free(page)
 
+    def claim(self, keys: Sequence[PageKey], held: list[int]) -> list[int | None] | None:
+        """Pages for every key of a group that must be cached whole, or None (nothing taken) when they do not
+        fit: cached ones acquired, fresh ones allocated for the others, all pinned in `held`. Returns, for each
+        key, its fresh page for the caller to fill and then `insert`, or None where the page was cached.
+
+        Cached pages count against the room when evictable, since acquiring them takes them out of it (a group
+        let in on its missing pages alone failed at its last allocation, the pages before it held by nobody).
+        """
+        found = [self.lookup(use, key) for use, key in keys]
+        cached = [page for page in found if page is not None]
+        if len(keys) - len(cached) + self.revival_cost(cached) > self.num_available:
+            return None
+        for page in cached:
+            self.acquire(page)
+            held.append(page)
+        fresh: list[int | None] = []
+        for (use, _), page in zip(keys, found):
+            fresh.append(None if page is not None else self.allocate(1, use)[0])
+            if page is None:
+                held.append(fresh[-1])  # released (freed: not yet findable) if the caller fails before `insert`
+        return fresh
+
     def allocate(self, n: int, use: PageUse) -> list[int]:
         """`n` fresh pages, evicting least recently released cached pages if needed."""
         if n > self.num_available:
