@@ -73,8 +73,8 @@ class DecodeServer(EngineServer):
             yield chunk
 
     @staticmethod
-    async def _accepted(response: DeploymentResponse, timeout_s: float) -> bool:
-        """Whether a prefill replica accepted the call within `timeout_s` (else the call is cancelled).
+    async def _await_acceptance(response: DeploymentResponse, timeout_s: float) -> None:
+        """Returns once a prefill replica accepted the call; `asyncio.TimeoutError` after `timeout_s`.
 
         Serve's router holds a call until some replica has room, and with no replica running it waits for one
         to start: after a prefill replica died, long prompts waited out the whole `prefill_timeout_s` here,
@@ -83,9 +83,7 @@ class DecodeServer(EngineServer):
         try:
             await asyncio.wait_for(response._to_object_ref(), timeout_s)  # resolves once a replica accepts it
         except asyncio.TimeoutError:
-            response.cancel()
-            return False
-        return True
+            raise asyncio.TimeoutError(f"no prefill replica accepted the request within {timeout_s:g} s") from None
 
     async def _prefill_remotely(self, req: GenerateRequest) -> None:
         """Lands the prompt's KV computed by a prefill replica; on any failure leaves it to local prefill."""
@@ -103,13 +101,7 @@ class DecodeServer(EngineServer):
         disagg = self._config.disagg
         response = self._prefill.prefill.remote(PrefillRequest(req.request_id, ids, held))
         try:
-            accept_s = min(disagg.prefill_accept_timeout_s, disagg.prefill_timeout_s)
-            if not await self._accepted(response, accept_s):
-                logger.warning("%s: no prefill replica accepted it within %g s; prefilling locally",
-                               req.request_id, accept_s)
-                self.counters["transfer_fallbacks"] += 1
-                self.metrics.transfer("fallback")
-                return
+            await self._await_acceptance(response, min(disagg.prefill_accept_timeout_s, disagg.prefill_timeout_s))
             timeout = disagg.prefill_timeout_s
             handle = await asyncio.wait_for(response, max(timeout - (time.monotonic() - started), 1.0))
             if handle.num_pages == 0:
