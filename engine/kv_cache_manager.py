@@ -11,6 +11,7 @@ reuse from the host tier still move whole indexer pages.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from engine.kv_layout import KVLayout
 from residency.manager import ResidencyManager
@@ -21,6 +22,13 @@ from engine.request import Request
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+class CachedPage(NamedTuple):
+    """A cached page of a prefix and the tier that holds it."""
+
+    page: int
+    on_host: bool
 
 
 class KVCacheManager:
@@ -79,6 +87,36 @@ class KVCacheManager:
             if page is None:
                 break
             idx.append(page)
+        return hashes, mla[: len(idx) * per_idx], idx
+
+    def locate_prefix(self, token_ids: list[int]) -> tuple[list[bytes], list[CachedPage], list[CachedPage]]:
+        """(page hashes, MLA pages, indexer pages) of the longest reusable prefix cached in either tier: each
+        page from the GPU cache, else from the host pool's. A prefix can be split between them: a request that
+        reused host pages runs with them there, and the pages it computes after them are on the GPU. Whole
+        indexer pages, one token short of the sequence, as `lookup_prefix`. Takes nothing."""
+        hashes = chain_hashes(token_ids, self.page_size)
+        host = self.residency.host.cache if self.residency is not None else None
+
+        def find(use: PageUse, key: bytes) -> CachedPage | None:
+            page = self.cache.lookup(use, key)
+            if page is not None:
+                return CachedPage(page, False)
+            page = host.lookup(use, key) if host is not None else None
+            return CachedPage(page, True) if page is not None else None
+
+        per_idx = self.indexer_page_tokens // self.page_size
+        mla: list[CachedPage] = []
+        for h in hashes[: (len(token_ids) - 1) // self.page_size]:
+            found = find(PageUse.MLA, h)
+            if found is None:
+                break
+            mla.append(found)
+        idx: list[CachedPage] = []
+        while (len(idx) + 1) * per_idx <= len(mla):
+            found = find(PageUse.INDEXER, hashes[(len(idx) + 1) * per_idx - 1])
+            if found is None:
+                break
+            idx.append(found)
         return hashes, mla[: len(idx) * per_idx], idx
 
     def match_prefix(self, req: Request, reuse: bool = True) -> int:

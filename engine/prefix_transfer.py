@@ -42,10 +42,18 @@ class PageStore(Protocol):
 
 
 def snapshot_prefix(kv: KVCacheManager, pages: PageStore, token_ids: list[int]) -> PrefixSnapshot:
-    """Copies the cached reusable prefix of `token_ids` out of the pool."""
-    hashes, mla, idx = kv.lookup_prefix(token_ids)
-    page_bytes = kv.layout.page_bytes
-    data = pages.read_pages(mla + idx) if mla + idx else torch.empty(0, page_bytes, dtype=torch.uint8)
+    """Copies the cached reusable prefix of `token_ids` out of the GPU pool and the host pool: a prefill replica
+    under `hybrid` may hold part of a prompt's prefix on the host alone (its request reused those pages from
+    there), and an export of the GPU pages alone would stop at the first of them."""
+    hashes, mla, idx = kv.locate_prefix(token_ids)
+    located = mla + idx
+    data = torch.empty(len(located), kv.layout.page_bytes, dtype=torch.uint8)
+    for on_host in (False, True):
+        rows = [i for i, cached in enumerate(located) if cached.on_host == on_host]
+        if not rows:
+            continue
+        ids = [located[i].page for i in rows]
+        data[rows] = kv.residency.host.data[ids] if on_host else pages.read_pages(ids)
     return PrefixSnapshot(len(mla) * kv.page_size, hashes[: len(mla)], data[: len(mla)], data[len(mla) :])
 
 

@@ -614,6 +614,24 @@ def test_decode_reuses_a_prefix_held_on_the_host_without_a_transfer(
     assert "".join(c.text_delta for c in chunks) == reference.text
 
 
+def test_a_prefix_held_partly_on_the_host_is_exported_whole(tiny_dir: Path) -> None:
+    """A prefill replica under `hybrid` pressure whose GPU cache lost a prompt's pages keeps their host copies; a
+    request for the prompt again runs from those host pages and leaves them there, and the export still covers
+    the whole prefix, byte for byte what the GPU pages held (it stopped at the first page missing on the GPU)."""
+    engine = make_engine(tiny_dir, num_gpu_pages=24, hisparse=HiSparseConfig(policy="hybrid", host_pool_gib=0.05))
+    ids = _prompt(2 * PAGE + 10, seed=40)
+    reference = _prefill_and_snapshot(engine, ids)
+    assert reference.num_tokens == 2 * PAGE
+    for seed in (41, 42):  # other prompts take the GPU pool: the first prompt's cached pages are evicted there
+        engine.generate([_prompt(2 * PAGE + 10, seed)], [SamplingParams(max_tokens=1, ignore_eos=True)])
+    assert len(engine.kv.lookup_prefix(ids)[1]) < 2 * PER_GROUP
+    snap = _prefill_and_snapshot(engine, ids)
+    assert len(engine.kv.lookup_prefix(ids)[1]) < 2 * PER_GROUP  # the request ran from the host copies
+    assert (snap.num_tokens, snap.page_hashes) == (reference.num_tokens, reference.page_hashes)
+    assert torch.equal(snap.mla, reference.mla) and torch.equal(snap.indexer, reference.indexer)
+    assert_pages_released(engine)
+
+
 def _prefill_replica(tiny_dir: Path, num_gpu_pages: int) -> PrefillServer:
     """A prefill replica's state without Serve."""
     server = object.__new__(PrefillServer)
