@@ -48,7 +48,8 @@ _HEALTH_TIMEOUT_S = 10.0
 # Generated text or a heartbeat from a decode replica this recent answers the health check without a probe.
 _LIVE_WINDOW_S = 5.0
 # Arguments of the renderer itself: chat_template_kwargs may not name them.
-_RENDER_ARGUMENTS = frozenset({"messages", "tools", "add_generation_prompt"})
+# the renderer's own arguments, which chat_template_kwargs may not name: the request's fields and `self`
+_RENDER_ARGUMENTS = frozenset({"self", "messages", "tools", "add_generation_prompt"})
 
 
 class EngineLiveness:
@@ -247,7 +248,7 @@ class OpenAIIngress:
         return request_id, DecodeStream(response, first, self._liveness)
 
     @staticmethod
-    def _tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    def _tools(body: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]] | None:
         """The tools to render (None: no tools, or tool_choice 'none')."""
         if not body.tools or body.tool_choice == "none":
             return None
@@ -258,8 +259,8 @@ class OpenAIIngress:
         """Token ids of the conversation (runs in a worker thread); 400 naming the part at fault."""
         clash = sorted(_RENDER_ARGUMENTS & set(template_kwargs or {}))
         if clash:
-            raise APIError(400, f"chat_template_kwargs may not set {clash}: they are request fields",
-                           "chat_template_kwargs")
+            raise APIError(400, f"chat_template_kwargs may not set {clash}: the chat renderer's own arguments "
+                           "(messages, tools and add_generation_prompt come from the request)", "chat_template_kwargs")
         try:
             return self.tokenizer.encode_chat(messages, tools, add_generation_prompt, **(template_kwargs or {}))
         except (ChatTemplateError, TokenizationError) as exc:
@@ -313,9 +314,10 @@ class OpenAIIngress:
             if body.chat_template_kwargs:
                 raise APIError(400, "chat_template_kwargs apply to messages, not to a prompt", "chat_template_kwargs")
             return await asyncio.to_thread(self._encode, body.prompt, "prompt")
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        if body.tool_choice not in (None, "auto", "none"):
+            raise APIError(400, "only tool_choice 'auto' and 'none' are supported", "tool_choice")
         messages = [m.for_template() for m in body.messages]
-        return await asyncio.to_thread(self._render, messages, tools, body.add_generation_prompt,
+        return await asyncio.to_thread(self._render, messages, self._tools(body), body.add_generation_prompt,
                                        body.chat_template_kwargs)
 
     def detokenize(self, tokens: list[int]) -> str:

@@ -63,7 +63,7 @@ class GenerationRequest(_Body):
     """Fields shared by chat and text completions."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, le=INT32_MAX)
@@ -100,6 +100,8 @@ class GenerationRequest(_Body):
 
     def unsupported(self) -> tuple[str, str] | None:
         """The first field set to something this server cannot honour, with the reason; None if all can be."""
+        if self.stream_options is not None and not self.stream:  # OpenAI refuses it too
+            return "stream_options", "stream_options is only allowed when stream is true"
         if self.n != 1:
             return "n", "only n=1 is supported"
         if self.presence_penalty or self.frequency_penalty:
@@ -184,7 +186,7 @@ class CalledFunction(_Body):
             raise ValueError(f"not valid JSON ({exc})") from None
         if not isinstance(parsed, dict):
             raise ValueError(f"must be a JSON object, got {type(parsed).__name__}")
-        return parsed
+        return _finite(parsed)  # a number like 1e999 overflows to an infinity, which `allow_inf_nan` lets through
 
 
 class AssistantToolCall(_Body):
@@ -221,7 +223,7 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -262,6 +264,7 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=MAX_MESSAGES)
     tools: list[ToolSpec] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: str | dict[str, Any] | None = None  # as in chat: 'none' renders no tools
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # as in chat: the count is the prompt chat would send
 

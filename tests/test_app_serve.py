@@ -96,6 +96,13 @@ def test_models_health_and_tokenizer_routes(client: openai.OpenAI) -> None:
         assert counted == reply.usage.prompt_tokens
         counts.append(counted)
     assert counts[0] != counts[1]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    for choice in ("auto", "none"):  # 'none' renders no tools, in chat and in its count alike
+        body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": choice}
+        counted = httpx.post(f"{BASE}/tokenize", json=body).json()["count"]
+        reply = client.chat.completions.create(model=MODEL, max_tokens=1, **body)
+        assert counted == reply.usage.prompt_tokens
+        assert (counted == counts[0]) == (choice == "none")
     refused = httpx.post(f"{BASE}/tokenize", json={"prompt": "hi", "chat_template_kwargs": {"enable_thinking": False}})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template_kwargs"
 

@@ -572,6 +572,15 @@ def test_vllm_sampling_extensions_pass_only_at_their_neutral_values() -> None:
         assert refused is not None and refused[0] == field, (field, refused)
 
 
+def test_stream_options_without_stream_are_refused() -> None:
+    """As OpenAI answers: `stream_options` apply to a stream; with `stream` false they were ignored."""
+    for model, base in ((ChatCompletionRequest, _CHAT), (CompletionRequest, _COMPLETION)):
+        options = {"stream_options": {"include_usage": True}}
+        assert model.model_validate({**base, **options}).unsupported()[0] == "stream_options"
+        assert model.model_validate({**base, **options, "stream": True}).unsupported() is None
+        assert model.model_validate({**base, "stream_options": None}).unsupported() is None
+
+
 def test_completion_logprobs_zero_is_refused_not_ignored() -> None:
     """`logprobs: 0` asks for the sampled tokens' own logprobs: it was taken as unset and answered without them."""
     completion = {"model": "m", "prompt": "x"}
@@ -593,7 +602,9 @@ _COMPLETION = {"model": "m", "prompt": "x"}
 @pytest.mark.parametrize(("model", "base", "field"), [
     (ChatCompletionRequest, _CHAT, "top_k"), (ChatCompletionRequest, _CHAT, "n"),
     (ChatCompletionRequest, _CHAT, "min_tokens"), (ChatCompletionRequest, _CHAT, "top_logprobs"),
+    (ChatCompletionRequest, _CHAT, "max_tokens"), (ChatCompletionRequest, _CHAT, "max_completion_tokens"),
     (CompletionRequest, _COMPLETION, "best_of"), (CompletionRequest, _COMPLETION, "logprobs"),
+    (CompletionRequest, _COMPLETION, "max_tokens"),
 ])
 def test_integer_sampling_fields_fit_in_32_bits(model: type[BaseModel], base: dict, field: str) -> None:
     """A value an int64 tensor cannot hold would stop the engine loop: it is the request's 400, naming the field."""
@@ -653,6 +664,9 @@ def test_non_json_numbers_in_tools_and_arguments_are_refused(number: float) -> N
         assert error.param == "tools.0.function.parameters" and "not a JSON number" in error.message
     error = _refusal(ChatCompletionRequest, _with_arguments({"x": number}))
     assert error.param == "messages.1.tool_calls.0.function.arguments"
+    if math.isinf(number):  # OpenAI's form, a JSON string: a number that overflows read as an infinity
+        error = _refusal(ChatCompletionRequest, _with_arguments('{"x": [%s1e400]}' % ("-" if number < 0 else "")))
+        assert error.param == "messages.1.tool_calls.0.function.arguments" and "not a JSON number" in error.message
     assert ChatCompletionRequest.model_validate_json(json.dumps({**_CHAT, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"x": [{"max": 1e300}]}}}]})).tools
 
