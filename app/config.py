@@ -58,6 +58,12 @@ class HiSparseArgs(_Section):
     promote_free_fraction: float = Field(0.25, ge=0, lt=1)
     """A demoted request moves back to the GPU only if this share of the GPU pool stays free."""
 
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _yaml_off(cls, policy: Any) -> Any:
+        """YAML 1.1 reads an unquoted `off` as the boolean false: `policy: off` means the policy `off`."""
+        return "off" if policy is False else policy
+
 
 class AttentionArgs(_Section):
     """Attention back-end settings."""
@@ -128,7 +134,9 @@ class DeploymentArgs(_Section):
     max_ongoing_requests: int = Field(64, ge=1)
     """Requests one replica serves at once; beyond it the router queues or picks another replica."""
     max_queued_requests: int = Field(-1, ge=-1)
-    """Requests waiting for a replica before new ones are refused (HTTP 503); -1 = unbounded."""
+    """Requests waiting for a replica before new ones are refused (HTTP 503); -1 = unbounded. Serve counts a
+    request as waiting while it is being routed, even to an idle replica: a burst larger than this can see 503s
+    before any replica is busy, so size it for bursts (tiny.yaml: 64)."""
     num_cpus: float = Field(1.0, ge=0)
     """CPUs Ray reserves per replica."""
     num_gpus: float = Field(0.0, ge=0)
@@ -298,6 +306,19 @@ class AppConfig(_Section):
         if prefill is not None and bool(prefill.num_speculative_tokens) != bool(self.engine.num_speculative_tokens):
             raise ValueError("prefill_engine and engine must both draft (num_speculative_tokens > 0) or neither: "
                              "drafting adds the MTP layer's rows to the KV pages they exchange")
+        if prefill is not None and prefill.max_model_len is not None and (
+                self.engine.max_model_len is None or prefill.max_model_len < self.engine.max_model_len):
+            raise ValueError("prefill_engine.max_model_len must be at least engine's: the decode replicas send the "
+                             "prefill replicas every prompt they admit")
+        return self
+
+    @model_validator(mode="after")
+    def _prefix_cache_for_prefill(self) -> AppConfig:
+        """A decode replica lands a prefill replica's KV in its prefix cache; with the cache off every long prompt
+        would be computed twice, once there and once here."""
+        if self.prefill.num_replicas and not self.engine.enable_prefix_cache:
+            raise ValueError("engine.enable_prefix_cache must be true when prefill.num_replicas > 0: decode replicas "
+                             "reuse prefilled KV through their prefix cache (or set prefill.num_replicas: 0)")
         return self
 
     @model_validator(mode="after")

@@ -25,7 +25,7 @@ from ray.serve.request_router import PendingRequest
 
 from app import heartbeats
 from app.body_limit import BodyLimitMiddleware
-from app.config import AppConfig, ConfigError, EngineArgs
+from app.config import AppConfig, ConfigError, EngineArgs, HiSparseArgs
 from app.decode import DecodeServer
 from app.errors import APIError, error_body, invalid_request
 from app.heartbeats import with_heartbeats
@@ -295,6 +295,36 @@ def test_build_app_binds_colocated_and_disaggregated(tiny_dir: Path) -> None:
     args["prefill"]["num_replicas"] = 0
     assert build_app(args) is not None
 
+
+
+def test_configs_that_would_fail_on_the_replicas_are_refused_at_build(tiny_dir: Path) -> None:
+    """Each was accepted, then failed or wasted work on the replicas: a hot buffer below the model's top-K (the
+    decode constructor failed over and over), a prefill engine with a shorter context (every long prompt
+    failed there), the prefix cache off beside prefill replicas (every long prompt computed twice)."""
+    def build(change: Callable[[dict], None]) -> str:
+        args = _args("tiny.yaml")
+        args["model"]["path"] = str(tiny_dir)
+        change(args)
+        with pytest.raises(ConfigError) as info:
+            build_app(args)
+        return str(info.value)
+
+    hisparse = lambda a: a["engine"]["attention_config"]["hisparse_config"]  # noqa: E731
+    assert "hot_rows (8) must be at least index_topk (32)" in build(lambda a: hisparse(a).update(hot_rows=8))
+    assert "prefill_engine.max_model_len" in build(
+        lambda a: a.update(prefill_engine={**a["engine"], "max_model_len": 1024}))
+    assert "enable_prefix_cache" in build(lambda a: a["engine"].update(enable_prefix_cache=False))
+    args = _args("tiny.yaml")
+    args["model"]["path"] = str(tiny_dir)
+    args["prefill"]["num_replicas"] = 0
+    args["engine"]["enable_prefix_cache"] = False
+    assert build_app(args) is not None  # colocated, the cache may be off
+
+
+def test_an_unquoted_yaml_off_is_the_policy_off() -> None:
+    """YAML reads `policy: off` as false; it was refused, listing 'off' as allowed."""
+    section = yaml.safe_load("policy: off")
+    assert section == {"policy": False} and HiSparseArgs(**section).policy == "off"
 
 # --- tool calls -----------------------------------------------------------------------------
 
