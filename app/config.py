@@ -29,6 +29,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from engine.config import EngineConfig, check_device
+from engine.model_config import ModelConfig
 from engine.tiny import make_tiny, shaped_config, write_architecture
 from residency.config import HiSparseConfig
 
@@ -415,13 +416,16 @@ class AppConfig(_Section):
         engine = args.model_dump(exclude={"attention_config"})
         hisparse = args.attention_config.hisparse_config.model_dump()
         try:
-            return EngineConfig(
+            config = EngineConfig(
                 model=self.model.path,
                 hisparse=HiSparseConfig(**_applicable(HiSparseConfig, hisparse, HiSparseArgs().model_dump())),
                 **_applicable(EngineConfig, engine, EngineArgs().model_dump(exclude={"attention_config"})),
             )
+            # checked against the model, as the engine does when it starts (the replica would fail there)
+            config.hisparse.hot_rows_for(ModelConfig.from_dir(config.model).index_topk)
         except ValueError as exc:
             raise ConfigError(f"engine: {exc}") from None
+        return config
 
 
 def _applicable(target: type, values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:

@@ -47,8 +47,7 @@ logger = logging.getLogger(__name__)
 _HEALTH_TIMEOUT_S = 10.0
 # Generated text or a heartbeat from a decode replica this recent answers the health check without a probe.
 _LIVE_WINDOW_S = 5.0
-# Arguments of the renderer itself: chat_template_kwargs may not name them.
-# the renderer's own arguments, which chat_template_kwargs may not name: the request's fields and `self`
+# Arguments of the renderer itself, which chat_template_kwargs may not name: the request's fields and `self`.
 _RENDER_ARGUMENTS = frozenset({"self", "messages", "tools", "add_generation_prompt"})
 
 
@@ -314,8 +313,9 @@ class OpenAIIngress:
             if body.chat_template_kwargs:
                 raise APIError(400, "chat_template_kwargs apply to messages, not to a prompt", "chat_template_kwargs")
             return await asyncio.to_thread(self._encode, body.prompt, "prompt")
-        if body.tool_choice not in (None, "auto", "none"):
-            raise APIError(400, "only tool_choice 'auto' and 'none' are supported", "tool_choice")
+        refused = body.unsupported()
+        if refused is not None:
+            raise APIError(400, refused[1], refused[0])
         messages = [m.for_template() for m in body.messages]
         return await asyncio.to_thread(self._render, messages, self._tools(body), body.add_generation_prompt,
                                        body.chat_template_kwargs)

@@ -16,12 +16,11 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from app.config import AppConfig, ConfigError
+from app.config import AppConfig
 from app.decode import DecodeServer
 from app.ingress import OpenAIIngress
 from app.prefill import PrefillServer
 from app.router import AffinityRouter
-from engine.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +28,8 @@ logger = logging.getLogger(__name__)
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Builds the application from the Serve config's `args`; raises `ConfigError` for bad args."""
     config = AppConfig.from_args(args).resolved()
-    for role in ("decode", "prefill"):  # fails here, not on the replicas, when the engine would refuse it
-        engine = config.engine_config(role)
-        try:
-            engine.hisparse.hot_rows_for(ModelConfig.from_dir(engine.model).index_topk)
-        except ValueError as exc:
-            raise ConfigError(f"engine.attention_config.hisparse_config: {exc}") from None
+    config.engine_config("decode")  # fails here, not on the replicas, when the engine would refuse it
+    config.engine_config("prefill")
     prefill = None
     if config.prefill.num_replicas:
         prefill_deployment = serve.deployment(PrefillServer, name="PrefillServer")

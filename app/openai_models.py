@@ -221,6 +221,13 @@ class ChatMessage(_Body):
         return message
 
 
+def _tool_choice_refusal(tool_choice: str | dict[str, Any] | None) -> tuple[str, str] | None:
+    """A forced tool choice (`required`, a named function) is not honoured: the output is not constrained."""
+    if tool_choice not in (None, "auto", "none"):
+        return "tool_choice", "only tool_choice 'auto' and 'none' are supported"
+    return None
+
+
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
@@ -236,9 +243,7 @@ class ChatCompletionRequest(GenerationRequest):
             return ("logprobs" if self.logprobs else "top_logprobs"), "logprobs are not supported"
         if self.response_format is not None and self.response_format.get("type") != "text":
             return "response_format", "only response_format {'type': 'text'} is supported (no JSON or schema mode)"
-        if self.tool_choice not in (None, "auto", "none"):
-            return "tool_choice", "only tool_choice 'auto' and 'none' are supported"
-        return super().unsupported()
+        return _tool_choice_refusal(self.tool_choice) or super().unsupported()
 
 
 class CompletionRequest(GenerationRequest):
@@ -267,6 +272,9 @@ class TokenizeRequest(_Body):
     tool_choice: str | dict[str, Any] | None = None  # as in chat: 'none' renders no tools
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # as in chat: the count is the prompt chat would send
+
+    def unsupported(self) -> tuple[str, str] | None:
+        return _tool_choice_refusal(self.tool_choice)
 
 
 class DetokenizeRequest(_Body):

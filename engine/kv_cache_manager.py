@@ -11,7 +11,7 @@ reuse from the host tier still move whole indexer pages.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from engine.kv_layout import KVLayout
 from residency.manager import ResidencyManager
@@ -22,6 +22,9 @@ from engine.request import Request
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+T = TypeVar("T")  # what a prefix walk finds for a page: its id, or its id and tier
 
 
 class CachedPage(NamedTuple):
@@ -73,28 +76,12 @@ class KVCacheManager:
         Reuse stops one token short of the whole sequence and is whole indexer pages long.
         Nothing is acquired: callers take references before the pages can be evicted.
         """
-        hashes = chain_hashes(token_ids, self.page_size)
-        per_idx = self.indexer_page_tokens // self.page_size
-        mla: list[int] = []
-        for h in hashes[: (len(token_ids) - 1) // self.page_size]:
-            page = self.cache.lookup(PageUse.MLA, h)
-            if page is None:
-                break
-            mla.append(page)
-        idx: list[int] = []
-        while (len(idx) + 1) * per_idx <= len(mla):
-            page = self.cache.lookup(PageUse.INDEXER, hashes[(len(idx) + 1) * per_idx - 1])
-            if page is None:
-                break
-            idx.append(page)
-        return hashes, mla[: len(idx) * per_idx], idx
+        return self._walk_prefix(token_ids, self.cache.lookup)
 
     def locate_prefix(self, token_ids: list[int]) -> tuple[list[bytes], list[CachedPage], list[CachedPage]]:
-        """(page hashes, MLA pages, indexer pages) of the longest reusable prefix cached in either tier: each
-        page from the GPU cache, else from the host pool's. A prefix can be split between them: a request that
-        reused host pages runs with them there, and the pages it computes after them are on the GPU. Whole
-        indexer pages, one token short of the sequence, as `lookup_prefix`. Takes nothing."""
-        hashes = chain_hashes(token_ids, self.page_size)
+        """`lookup_prefix` over both tiers: each page from the GPU cache, else from the host pool's. A prefix can
+        be split between them: a request that reused host pages runs with them there, and the pages it computes
+        after them are on the GPU. Takes nothing."""
         host = self.residency.host.cache if self.residency is not None else None
 
         def find(use: PageUse, key: bytes) -> CachedPage | None:
@@ -104,19 +91,26 @@ class KVCacheManager:
             page = host.lookup(use, key) if host is not None else None
             return CachedPage(page, True) if page is not None else None
 
+        return self._walk_prefix(token_ids, find)
+
+    def _walk_prefix(self, token_ids: list[int], find: Callable[[PageUse, bytes], T | None]
+                     ) -> tuple[list[bytes], list[T], list[T]]:
+        """The prefix's page hashes and, while `find` finds them, its MLA pages, then the indexer pages they
+        complete, cut to whole indexer pages, one token short of the sequence."""
+        hashes = chain_hashes(token_ids, self.page_size)
         per_idx = self.indexer_page_tokens // self.page_size
-        mla: list[CachedPage] = []
+        mla: list[T] = []
         for h in hashes[: (len(token_ids) - 1) // self.page_size]:
-            found = find(PageUse.MLA, h)
-            if found is None:
+            page = find(PageUse.MLA, h)
+            if page is None:
                 break
-            mla.append(found)
-        idx: list[CachedPage] = []
+            mla.append(page)
+        idx: list[T] = []
         while (len(idx) + 1) * per_idx <= len(mla):
-            found = find(PageUse.INDEXER, hashes[(len(idx) + 1) * per_idx - 1])
-            if found is None:
+            page = find(PageUse.INDEXER, hashes[(len(idx) + 1) * per_idx - 1])
+            if page is None:
                 break
-            idx.append(found)
+            idx.append(page)
         return hashes, mla[: len(idx) * per_idx], idx
 
     def match_prefix(self, req: Request, reuse: bool = True) -> int:
