@@ -7,7 +7,9 @@ asyncio queue. A consumer that stops iterating (client gone, task cancelled)
 aborts its request, which frees its pages. A request the engine ended on an
 error of its own raises `RequestFailedError` from its stream while the others go
 on. If the loop dies, every stream gets `EngineDeadError` and `is_healthy()`
-turns false.
+turns false. `generate_then` also runs a function on the engine thread right
+after the step that ends the request, before any other step: the pages the
+request leaves cached are still there to read (a prefill's export).
 """
 
 from __future__ import annotations
@@ -49,11 +51,19 @@ def _stream_item(output: RequestOutput) -> RequestOutput | RequestFailedError:
 
 
 @dataclass
+class _ThenResult:
+    """What a request's `then` function returned, queued after the request's last output."""
+
+    value: Any
+
+
+@dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    queue: asyncio.Queue[RequestOutput | _ThenResult | BaseException]
+    then: Callable[[LLMEngine], Any] | None = None
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: RequestOutput | _ThenResult | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
@@ -83,23 +93,52 @@ class AsyncEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; raises `InvalidRequestError` before anything runs if it cannot."""
+        submitted = self._submit(prompt_token_ids, params, request_id, None)
+        async for output in self._read(*submitted):
+            yield output
+
+    async def generate_then(
+        self, prompt_token_ids: list[int], params: SamplingParams, then: Callable[[LLMEngine], T],
+        request_id: str | None = None,
+    ) -> tuple[RequestOutput, T]:
+        """Runs the request to its end, then `then(engine)` on the engine thread before the next step: another
+        request's step could otherwise evict the pages this one left cached. Returns the last output and what
+        `then` returned; raises what `then` raised (the engine goes on)."""
+        request_id, stream = self._submit(prompt_token_ids, params, request_id, then)
+        last = None
+        async for last in self._read(request_id, stream):
+            pass
+        result = await stream.queue.get()
+        if isinstance(result, BaseException):
+            raise result
+        assert isinstance(result, _ThenResult) and last is not None
+        return last, result.value
+
+    def _submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
+                then: Callable[[LLMEngine], Any] | None) -> tuple[str, _Stream]:
+        """Queues the request for the engine thread and opens its stream."""
         if not self.is_healthy():
             raise EngineDeadError(f"engine loop is not running: {self.error!r}")
         self.engine.validate(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), then)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self._adds.append((request_id, list(prompt_token_ids), params))
         self._wake.set()
+        return request_id, stream
+
+    async def _read(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        """The request's outputs up to its last; a reader that leaves early ends the request."""
         finished = False
         try:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                assert isinstance(item, RequestOutput)
                 finished = item.finished
                 yield item
         finally:
@@ -190,8 +229,14 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if isinstance(item, BaseException) or item.finished:
                 self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.put(item)
+        if stream is None:
+            return
+        stream.put(item)
+        if stream.then is not None and isinstance(item, RequestOutput) and item.finished:
+            try:
+                stream.put(_ThenResult(stream.then(self.engine)))
+            except Exception as exc:  # noqa: BLE001 - the request's caller gets the failure, not the loop
+                stream.put(exc)
 
     def _run(self) -> None:
         try:

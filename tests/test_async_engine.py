@@ -159,3 +159,35 @@ def test_a_request_its_client_left_before_the_engine_took_it_never_runs(engine: 
 
     asyncio.run(run())
     assert engine.wait_idle(5) and engine.is_healthy()
+
+
+def test_then_runs_after_the_ending_step_and_its_failure_is_the_callers(engine: AsyncEngine) -> None:
+    """`generate_then` runs its function on the engine thread before any step after the one that ended the request,
+    even while another request keeps the engine stepping; a function that raises fails its caller only."""
+    core = engine.engine
+    ended_at: dict[str, int] = {}  # request id -> the engine's step count when the step that ended it returned
+    step = core.step
+
+    def recording_step() -> list:
+        outputs = step()
+        ended_at.update((o.request_id, core.num_steps) for o in outputs if o.finished)
+        return outputs
+
+    core.step = recording_step
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def run() -> tuple:
+        other = asyncio.ensure_future(_drain(engine.generate(list(range(1, 30)), SamplingParams(max_tokens=40))))
+        last, seen = await engine.generate_then([5, 6, 7], params, lambda e: (e.num_steps, e.has_unfinished()), "t")
+        with pytest.raises(ZeroDivisionError):
+            await engine.generate_then([5, 6, 7], params, lambda e: 1 / 0)
+        return last, seen, await other
+
+    last, (steps_seen, busy), other = asyncio.run(run())
+    assert last.finished and last.num_output_tokens == 4
+    assert busy and steps_seen == ended_at["t"]  # the other request still ran; no step came between
+    assert other[-1].finished and engine.is_healthy()
+
+
+async def _drain(stream) -> list:  # noqa: ANN001 - an async iterator of outputs
+    return [o async for o in stream]

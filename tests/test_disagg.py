@@ -697,3 +697,23 @@ def test_a_request_whose_caller_died_is_ended(tiny_dir: Path, ray_store: None, m
     assert kept[-1].finished and kept[-1].num_output_tokens == 30
     assert idle == (False, 0)
     assert server.counters["finished_abort"] == 1 and server.counters["finished_length"] == 1
+
+
+def test_concurrent_prefills_each_export_their_whole_prompt(tiny_dir: Path, ray_store: None) -> None:
+    """Prefills that outnumber a small GPU pool run in turns: the pages one leaves cached are the next one's free
+    pages. Each export is still whole: it is taken right after the step that ends its prompt, before another
+    prompt's step can evict them (taken at the next call into the engine, exports came back empty)."""
+    server = _prefill_replica(tiny_dir, num_gpu_pages=3 * (PER_GROUP + 1) + 4)  # one prompt and a half
+    prompts = [_prompt(2 * PAGE + 10, seed=50 + i) for i in range(4)]
+
+    async def run() -> list[KVHandle]:
+        return await asyncio.gather(*(server.prefill(PrefillRequest(f"p{i}", ids, 0)) for i, ids in enumerate(prompts)))
+
+    try:
+        handles = asyncio.run(run())
+        assert [h.num_tokens for h in handles] == [2 * PAGE] * len(prompts)
+        assert server.counters["prefills"] == len(prompts)
+        assert server.counters["exported_tokens"] == 2 * PAGE * len(prompts)
+        assert_pages_released(server.engine.engine)
+    finally:
+        server.engine.shutdown()
