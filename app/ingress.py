@@ -189,6 +189,7 @@ class OpenAIIngress:
                 max_tokens=max_tokens or self.config.api.default_max_tokens,
                 temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                 seed=body.seed, stop=stop, ignore_eos=body.ignore_eos, stop_token_ids=stop_ids,
+                skip_special_tokens=body.skip_special_tokens,
             )
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), exc.param) from None

@@ -11,7 +11,8 @@ OpenAI defines that change nothing here (`user`, `store`, `metadata`,
 fields whose meaning this server cannot honour (n > 1, logprobs, penalties,
 logit bias, a structured `response_format`, echo, forced tool choice) are
 refused with 400 by `unsupported` or the ingress. `ignore_eos` and `top_k` are
-vLLM's extensions, sent through the client's `extra_body`, as is `stop_token_ids`;
+vLLM's extensions, sent through the client's `extra_body`, as are `stop_token_ids`
+and `skip_special_tokens` (true by default: role headers stay out of the text);
 vLLM's other sampling extensions (`min_p`, `repetition_penalty`, `min_tokens`,
 beam search, guided decoding) are accepted at their neutral values only, so a
 client moved from vLLM is told rather than sampled differently without a word.
@@ -77,6 +78,7 @@ class GenerationRequest(_Body):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    skip_special_tokens: bool = True
     # vLLM's sampling extensions this server cannot honour (see the module docstring)
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0)

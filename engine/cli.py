@@ -122,6 +122,7 @@ def _submit(engine: LLMEngine, i: int, spec: dict[str, Any], args: argparse.Name
             stop=(stop,) if isinstance(stop, str) else tuple(stop),  # one string is one stop, as in the API
             ignore_eos=bool(spec.get("ignore_eos", args.ignore_eos)),
             stop_token_ids=tuple(stop_ids),
+            skip_special_tokens=bool(spec.get("skip_special_tokens", True)),
         )
     except TypeError as exc:  # a field of the wrong JSON type (null, a number where a list belongs)
         raise InvalidRequestError(f"request {i}: a field has the wrong type ({exc})") from None

@@ -248,7 +248,7 @@ class LLMEngine:
         seed = params.seed
         if seed is None:
             seed, self._seed_counter = self._seed_counter, self._seed_counter + 1
-        detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None
+        detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
         # Queued and registered only once everything is built, so a failed add leaves nothing behind.
         self.scheduler.add(req)
         self._requests[request_id] = req

@@ -48,6 +48,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()  # end the output like EOS (kept in token_ids, not in text), ignore_eos or not
+    skip_special_tokens: bool = True  # role headers and end-of-text tokens stay out of the text (GLM markup stays)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

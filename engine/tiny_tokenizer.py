@@ -16,6 +16,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from engine.tokenizer import MARKUP_TOKENS
+
 logger = logging.getLogger(__name__)
 
 # Role and control tokens: dropped by `decode(..., skip_special_tokens=True)`.
@@ -28,20 +30,8 @@ CONTROL_TOKENS = (
     "<|observation|>",
     "<|endoftext|>",
 )
-# Structure tokens stay visible when special tokens are skipped, because the reasoning and
-# tool-call parsers read them from the decoded text.
-STRUCTURE_TOKENS = (
-    "<think>",
-    "</think>",
-    "<tool_call>",
-    "</tool_call>",
-    "<arg_key>",
-    "</arg_key>",
-    "<arg_value>",
-    "</arg_value>",
-    "<tool_response>",
-    "</tool_response>",
-)
+# Structure tokens: not special, so they stay in the text whatever the request asks of special tokens.
+STRUCTURE_TOKENS = (*MARKUP_TOKENS, "<tool_response>", "</tool_response>")
 EOS_TOKEN = "<|endoftext|>"
 # Tokens that end a generated turn: the model either ends the text or starts the next turn.
 STOP_TOKENS = ("<|endoftext|>", "<|user|>", "<|observation|>")

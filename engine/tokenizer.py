@@ -289,6 +289,12 @@ class _ClientTextFence:
         return out
 
 
+# GLM's reasoning and tool-call markup: read from the decoded text by the app's parsers, so it stays in the text
+# when special tokens are skipped, whatever a checkpoint's tokenizer flags it as.
+MARKUP_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                 "</arg_value>")
+
+
 class Tokenizer:
     """One model's tokenizer, stop tokens and chat template."""
 
@@ -305,7 +311,11 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
         self._template = compile_chat_template(chat_template) if chat_template is not None else None
-        added = sorted((t.content for t in backend.get_added_tokens_decoder().values()), key=len, reverse=True)
+        added_tokens = backend.get_added_tokens_decoder()
+        added = sorted((t.content for t in added_tokens.values()), key=len, reverse=True)
+        # Dropped from text when special tokens are skipped: role headers, the prompt prefix, end of text.
+        self._skipped_ids = frozenset(
+            i for i, t in added_tokens.items() if t.special and t.content not in MARKUP_TOKENS)
         self._added_token_pattern = re.compile("|".join(map(re.escape, added))) if added else None
         self._plain_backend = _without_added_tokens(backend) if added else backend
 
@@ -365,7 +375,9 @@ class Tokenizer:
         return self._added_token_pattern is not None and self._added_token_pattern.search(text) is not None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of `ids`; skipping special tokens drops the checkpoint's special tokens except GLM's markup."""
+        kept = [i for i in ids if i not in self._skipped_ids] if skip_special_tokens else list(ids)
+        return self._backend.decode(kept, skip_special_tokens=False)
 
     def apply_chat_template(
         self,

@@ -140,6 +140,15 @@ def test_completions(client: openai.OpenAI) -> None:
     assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
 
 
+def test_special_tokens_are_skipped_unless_asked_for(client: openai.OpenAI) -> None:
+    """Role headers the model emits stay out of the text, as vLLM's `skip_special_tokens` (true by default)."""
+    sampled = dict(model=MODEL, prompt="Once upon a time", max_tokens=200, temperature=1.0, seed=3)
+    texts = [client.completions.create(**sampled, extra_body={"ignore_eos": True, **flag}).choices[0].text
+             for flag in ({}, {"skip_special_tokens": False})]
+    headers = ("<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "[gMASK]", "<sop>")
+    assert not any(h in texts[0] for h in headers) and any(h in texts[1] for h in headers)
+
+
 def test_tool_call_round_trip(client: openai.OpenAI) -> None:
     tools = [{"type": "function", "function": {
         "name": "get_weather", "description": "Weather of a city",

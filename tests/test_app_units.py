@@ -650,7 +650,8 @@ def test_top_k_above_the_vocabulary_means_no_cut() -> None:
 
 def test_null_means_the_default() -> None:
     nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "top_k",
-                           "ignore_eos", "min_p", "repetition_penalty", "min_tokens", "use_beam_search"))
+                           "ignore_eos", "min_p", "repetition_penalty", "min_tokens", "use_beam_search",
+                           "skip_special_tokens"))
     chat = ChatCompletionRequest.model_validate_json(json.dumps({**_CHAT, **nulls}))
     assert chat == ChatCompletionRequest.model_validate_json(json.dumps(_CHAT)) and chat.unsupported() is None
     completion = CompletionRequest.model_validate_json(json.dumps({**_COMPLETION, **nulls, "echo": None}))

@@ -11,6 +11,7 @@ import torch
 from engine.llm_engine import LLMEngine
 from engine.request import InvalidRequestError, SamplingParams
 from engine.sampler import SamplingBatch, sample
+from engine.tiny_tokenizer import CONTROL_TOKENS
 from tests.helpers import LogitsRecorder, assert_pages_released, greedy, make_engine
 
 
@@ -130,6 +131,21 @@ def test_stop_conditions(tiny_dir: Path) -> None:
     first = free_run.token_ids.index(stop_id)
     assert id_run.finish_reason == "stop" and id_run.token_ids == free_run.token_ids[: first + 1]
     assert free_run.text.startswith(id_run.text) and len(id_run.text) < len(free_run.text)
+
+
+def test_special_tokens_stay_out_of_the_text_unless_asked_for(tiny_dir: Path) -> None:
+    """Role headers and the prompt prefix the model emits are not text a client shows (vLLM's default); a request
+    with `skip_special_tokens=False` gets them, and the token ids are the same either way."""
+    engine = make_engine(tiny_dir)
+    tok = engine.tokenizer
+    control = {tok.token_to_id(t) for t in CONTROL_TOKENS}
+    params = dict(max_tokens=200, temperature=1.0, seed=3, ignore_eos=True)
+    skipped, kept = engine.generate([_prompt(20, 5)] * 2, [SamplingParams(**params),
+                                                            SamplingParams(**params, skip_special_tokens=False)])
+    assert skipped.token_ids == kept.token_ids and control & set(kept.token_ids)  # the model emitted some
+    assert kept.text == tok.decode(kept.token_ids)
+    assert skipped.text == tok.decode(skipped.token_ids, skip_special_tokens=True)
+    assert any(t in kept.text for t in CONTROL_TOKENS) and not any(t in skipped.text for t in CONTROL_TOKENS)
 
 
 def test_the_earliest_stop_string_ends_the_text_whatever_the_order(tiny_dir: Path) -> None:

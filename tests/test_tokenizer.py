@@ -174,6 +174,21 @@ def test_skip_special_tokens_keeps_structure_tokens(tok: Tokenizer) -> None:
     assert tok.decode(ids, skip_special_tokens=True) == "\n<think>a</think>b"
 
 
+def test_skip_special_tokens_keeps_markup_a_checkpoint_flags_special(tiny_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint may flag the reasoning and tool-call markup special: skipping special tokens would then drop
+    what the parsers read, and a tool call would reach the client as plain content. The markup stays."""
+    model_dir = copy_model_dir(tiny_dir, tmp_path / "m", keep_template_file=True)
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    for token in spec["added_tokens"]:
+        token["special"] = True
+    (model_dir / "tokenizer.json").write_text(json.dumps(spec))
+    flagged = Tokenizer.from_dir(model_dir)
+    ids = flagged.encode("<|assistant|><think>a</think><tool_call>f<arg_key>k</arg_key><arg_value>1</arg_value>"
+                         "</tool_call><tool_response>x</tool_response><|user|>")
+    assert flagged.decode(ids, skip_special_tokens=True) == (
+        "<think>a</think><tool_call>f<arg_key>k</arg_key><arg_value>1</arg_value></tool_call>x")
+
+
 # --- incremental detokenizer ----------------------------------------------------------------
 
 
