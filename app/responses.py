@@ -67,7 +67,7 @@ def collect_chat(meta: ResponseMeta, chunks: list[GenerateChunk]) -> dict[str, A
     reasoning, text = split_reasoning(text)
     content, calls = parse_tool_calls(text) if meta.parse_tools else (text, [])
     message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
-    if reasoning is not None:
+    if reasoning:  # a block cut off right after `<think>` has no reasoning to show, streamed or not
         message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = [_tool_call(c) for c in calls]

@@ -9,9 +9,10 @@ does not close (the output hit its length limit), or whose name is not a functio
 
 `parse_tool_calls` splits a finished output into content and calls.
 `ToolCallStreamParser` does the same for a stream of text deltas: text before a
-call is released at once, except a tail that may be the start of `<tool_call>`;
-from `<tool_call>` on, nothing is released until `</tool_call>` closes the call,
-which then comes out whole. One parser per streamed response.
+call is released at once, except a tail that may be the start of `<tool_call>`
+and trailing whitespace (not content if a call follows); from `<tool_call>` on,
+nothing is released until `</tool_call>` closes the call, which then comes out
+whole. One parser per streamed response.
 """
 
 from __future__ import annotations
@@ -68,12 +69,10 @@ def parse_call(body: str) -> ToolCall | None:
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """(content outside the calls, the calls) of a finished output."""
+    """(content outside the calls, the calls) of a finished output: what the stream parser sends, joined."""
     parser = ToolCallStreamParser()
     events = parser.feed(text) + parser.finish()
-    content = "".join(e for e in events if isinstance(e, str))
-    calls = [e for e in events if isinstance(e, ToolCall)]
-    return (content.strip() if calls else content), calls
+    return "".join(e for e in events if isinstance(e, str)), [e for e in events if isinstance(e, ToolCall)]
 
 
 def _partial_open_len(text: str) -> int:
@@ -85,11 +84,17 @@ def _partial_open_len(text: str) -> int:
 
 
 class ToolCallStreamParser:
-    """Turns text deltas into content deltas and whole tool calls, in order."""
+    """Turns text deltas into content deltas and whole tool calls, in order.
+
+    Whitespace right before a call and at the end of an output that made calls is not content (the newline a
+    model writes before `<tool_call>`): trailing whitespace is held back until text follows it.
+    """
 
     def __init__(self) -> None:
         self._held = ""
         self._in_call = False
+        self._space_before_call = ""  # given back if the call turns out to be text
+        self._made_calls = False
 
     def feed(self, delta: str) -> list[str | ToolCall]:
         """Content and calls that `delta` completes; text that may belong to a call is held back."""
@@ -100,10 +105,13 @@ class ToolCallStreamParser:
                 at = self._held.find(OPEN)
                 if at < 0:
                     keep = _partial_open_len(self._held)
-                    events.append(self._held[: len(self._held) - keep])
-                    self._held = self._held[len(self._held) - keep :]
+                    text = self._held[: len(self._held) - keep].rstrip()
+                    events.append(text)
+                    self._held = self._held[len(text) :]
                     break
-                events.append(self._held[:at])
+                text = self._held[:at].rstrip()
+                events.append(text)
+                self._space_before_call = self._held[len(text) : at]
                 self._held, self._in_call = self._held[at + len(OPEN) :], True
             else:
                 end = self._held.find(CLOSE)
@@ -111,11 +119,15 @@ class ToolCallStreamParser:
                     break
                 body = self._held[:end]
                 self._held, self._in_call = self._held[end + len(CLOSE) :], False
-                events.append(parse_call(body) or OPEN + body + CLOSE)
+                call = parse_call(body)
+                self._made_calls |= call is not None
+                events.append(call or self._space_before_call + OPEN + body + CLOSE)
         return [e for e in events if e != ""]
 
     def finish(self) -> list[str | ToolCall]:
         """Releases what is held at the end of the output: an unclosed call stays text."""
-        rest = (OPEN if self._in_call else "") + self._held
+        rest = self._space_before_call + OPEN + self._held if self._in_call else self._held
+        if self._made_calls:
+            rest = rest.rstrip()
         self._held, self._in_call = "", False
         return [rest] if rest else []

@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -366,8 +367,8 @@ def test_unclosed_call_stays_text() -> None:
     content, calls = parse_tool_calls("ok <tool_call>get_weather\n<arg_key>city</arg_key>")
     assert calls == [] and content == "ok <tool_call>get_weather\n<arg_key>city</arg_key>"
     parser = ToolCallStreamParser()
-    assert parser.feed("a <tool_") == ["a "]
-    assert parser.finish() == ["<tool_"]
+    assert parser.feed("a <tool_") == ["a"]
+    assert parser.finish() == [" <tool_"]
 
 
 def _chunks(text: str) -> list[GenerateChunk]:
@@ -394,6 +395,42 @@ def test_chat_bodies_carry_tool_calls(tiny_dir: Path) -> None:
     calls = [c for e in events if e["choices"] for c in e["choices"][0]["delta"].get("tool_calls", [])]
     assert [c["index"] for c in calls] == [0, 1] and calls[1]["function"]["name"] == "search"
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls" and events[-1]["usage"]["total_tokens"] > 5
+
+
+def _streamed_message(meta: ResponseMeta, text: str) -> dict[str, Any]:
+    """The assistant message a client assembles from the chat stream of `text`, sent a character a chunk."""
+    async def source():
+        for chunk in _chunks(text):
+            yield chunk
+
+    async def events() -> list[dict]:
+        lines = [s async for s in stream_chat(meta, source())]
+        return [json.loads(line[6:]) for line in lines if line != "data: [DONE]\n\n"]
+
+    deltas = [e["choices"][0]["delta"] for e in asyncio.run(events()) if e["choices"]]
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(d.get("content") or "" for d in deltas)}
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas if "reasoning_content" in d)
+    if any("reasoning_content" in d for d in deltas):
+        message["reasoning_content"] = reasoning
+    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    if calls:
+        message["tool_calls"] = [c["function"] for c in calls]
+    return message
+
+
+@pytest.mark.parametrize("text", ["<think>", " \n<think>", "<think>plan</think>\nok", "<think></think>ok",
+                                  "<think>plan</think>\nLet me check.\n", "Let me check.\n", "hi"])
+def test_streamed_and_whole_chat_messages_agree(tiny_dir: Path, text: str) -> None:
+    """What a client assembles from the stream is the whole reply's message: a bare `<think>` gave
+    `reasoning_content: ""` only whole, and whitespace around tool calls was stripped only whole."""
+    meta = ResponseMeta("chatcmpl-1", "glm-tiny", 0, parse_tools=True, include_usage=False)
+    text = text + _assistant_text(tiny_dir, "") if text.endswith("check.\n") else text
+    whole = collect_chat(meta, _chunks(text))["choices"][0]["message"]
+    streamed = _streamed_message(meta, text)
+    if "tool_calls" in whole:  # their ids are drawn for each response
+        whole["tool_calls"] = [c["function"] for c in whole["tool_calls"]]
+    assert {**whole, "content": whole["content"] or ""} == streamed
+    assert "<tool" not in streamed["content"]
 
 
 # --- routing ------------------------------------------------------------------------------------

@@ -71,3 +71,24 @@ def test_a_bad_call_leaves_the_next_one_intact() -> None:
     text = "<tool_call>f g</tool_call>" + call_text("h", "NaN")
     content, calls = parse_tool_calls(text)
     assert content == "<tool_call>f g</tool_call>" and calls == [ToolCall("h", {"a": "NaN"})]
+
+
+WHITESPACE_CASES = [
+    ("Let me check.\n" + call_text("f", "1") + "\n", "Let me check.", 1),
+    ("\n\n" + call_text("f", "1") + "\n" + call_text("g", "2") + " \n", "", 2),
+    (call_text("f", "1") + "\nDone.\n", "\nDone.", 1),  # text after a call keeps its opening newline
+    ("ok \n<tool_call>f g</tool_call> \n", "ok \n<tool_call>f g</tool_call> \n", 0),  # no call: all content
+    ("ok \n<tool_call>f\n<arg_key>a</arg_key>", "ok \n<tool_call>f\n<arg_key>a</arg_key>", 0),  # unclosed
+    ("  Sure \n\n", "  Sure \n\n", 0),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "num_calls"), WHITESPACE_CASES)
+def test_streamed_and_whole_outputs_agree_on_whitespace_around_calls(text: str, content: str, num_calls: int) -> None:
+    """Whitespace before a call or after the last one is not content, streamed or not (the whole output stripped
+    its content when it had calls, a stream sent that whitespace as it came)."""
+    assert parse_tool_calls(text)[0] == content and len(parse_tool_calls(text)[1]) == num_calls
+    for step in range(1, 12):
+        events = streamed(text, step)
+        assert "".join(e for e in events if isinstance(e, str)) == content
+        assert sum(isinstance(e, ToolCall) for e in events) == num_calls
