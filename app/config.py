@@ -205,6 +205,17 @@ class ApiArgs(_Section):
     max_prompt_tokens: int | None = Field(None, ge=1)
     """Admission limit: longer prompts get HTTP 400 at the ingress; None = only max_model_len applies."""
 
+    @model_validator(mode="after")
+    def _body_holds_the_longest_prompt(self) -> ApiArgs:
+        """Each prompt token takes at least a byte of the body: a smaller body limit refuses prompts (413) that the
+        admission limit says are welcome."""
+        if self.max_body_bytes is not None and self.max_prompt_tokens is not None:
+            if self.max_body_bytes < self.max_prompt_tokens:
+                raise ValueError(f"max_body_bytes {self.max_body_bytes} cannot hold a prompt of max_prompt_tokens "
+                                 f"{self.max_prompt_tokens} tokens (a byte a token at least); raise it or leave it "
+                                 "unset (1 MiB plus 16 bytes a token)")
+        return self
+
     def key_digest(self) -> str | None:
         """SHA-256 digest of the key from api_key, else api_key_sha256, else the api_key_env variable here."""
         if self.api_key is None and self.api_key_sha256 is not None:
@@ -236,10 +247,16 @@ class RoutingArgs(_Section):
 
     affinity: bool = True
     """Send the turns of one conversation to the replica that holds its prefix, unless it is saturated."""
-    session_header: str = "x-session-id"
-    """Request header naming a conversation; without it the conversation's opening is the key."""
+    session_header: str = Field("x-session-id", pattern=r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+    """Request header naming a conversation (any case); without it the conversation's opening is the key."""
     prefix_tokens: int = Field(512, ge=1)
     """Completions without a session header: the first this many prompt tokens are the affinity key."""
+
+    @field_validator("session_header")
+    @classmethod
+    def _lower_case(cls, name: str) -> str:
+        """HTTP header names are case-insensitive and read lower-cased: `X-Session-Id` matched no chat request."""
+        return name.lower()
 
 
 class ModelSource(_Section):

@@ -110,6 +110,24 @@ def test_checkpoint_configs_refuse_the_random_weight_form(name: str) -> None:
     assert config.model.path == "${GLM53_MODEL_DIR}"
 
 
+def test_the_session_header_is_a_header_name_in_any_case() -> None:
+    """Chat read headers lower-cased, so `X-Session-Id` in a config matched no chat request and every conversation
+    was routed by its opening; an empty name matched none at all."""
+    routing = AppConfig.from_args({**_args("tiny.yaml"), "routing": {"session_header": "X-Session-Id"}}).routing
+    assert routing.session_header == "x-session-id"
+    for name in ("", "x session", "x-session:"):
+        with pytest.raises(ConfigError, match="session_header"):
+            AppConfig.from_args({**_args("tiny.yaml"), "routing": {"session_header": name}})
+
+
+def test_a_body_limit_below_the_admission_limit_is_refused() -> None:
+    """Bodies of max_body_bytes could not carry prompts the admission limit admits: those got 413, not served."""
+    api = {"max_prompt_tokens": 1900, "max_body_bytes": 1800}
+    with pytest.raises(ConfigError, match="max_body_bytes 1800 cannot hold a prompt of max_prompt_tokens 1900"):
+        AppConfig.from_args({**_args("tiny.yaml"), "api": api})
+    assert AppConfig.from_args({**_args("tiny.yaml"), "api": {**api, "max_body_bytes": 65536}}).api.body_limit(2048)
+
+
 def test_model_forms_are_checked() -> None:
     with pytest.raises(ConfigError, match="exactly one"):
         AppConfig.from_args({"model": {}})
