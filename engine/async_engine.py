@@ -93,9 +93,19 @@ class AsyncEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; raises `InvalidRequestError` before anything runs if it cannot."""
-        submitted = self._submit(prompt_token_ids, params, request_id, None)
-        async for output in self._read(*submitted):
-            yield output
+        request_id, stream = self._submit(prompt_token_ids, params, request_id, None)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                assert isinstance(item, RequestOutput)
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # its consumer left: nobody reads the stream
+                self._end(request_id, None)
 
     async def generate_then(
         self, prompt_token_ids: list[int], params: SamplingParams, then: Callable[[LLMEngine], T],
@@ -105,14 +115,19 @@ class AsyncEngine:
         request's step could otherwise evict the pages this one left cached. Returns the last output and what
         `then` returned; raises what `then` raised (the engine goes on)."""
         request_id, stream = self._submit(prompt_token_ids, params, request_id, then)
-        last = None
-        async for last in self._read(request_id, stream):
-            pass
-        result = await stream.queue.get()
-        if isinstance(result, BaseException):
-            raise result
-        assert isinstance(result, _ThenResult) and last is not None
-        return last, result.value
+        last: RequestOutput | None = None
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if isinstance(item, _ThenResult):
+                    assert last is not None
+                    return last, item.value
+                last = item
+        finally:
+            if last is None or not last.finished:  # its caller left before the end
+                self._end(request_id, None)
 
     def _submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
                 then: Callable[[LLMEngine], Any] | None) -> tuple[str, _Stream]:
@@ -129,21 +144,6 @@ class AsyncEngine:
             self._adds.append((request_id, list(prompt_token_ids), params))
         self._wake.set()
         return request_id, stream
-
-    async def _read(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        """The request's outputs up to its last; a reader that leaves early ends the request."""
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                assert isinstance(item, RequestOutput)
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:  # its consumer left: nobody reads the stream
-                self._end(request_id, None)
 
     async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs `fn(engine)` on the engine thread between steps (page transfers, stats)."""

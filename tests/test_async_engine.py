@@ -189,5 +189,22 @@ def test_then_runs_after_the_ending_step_and_its_failure_is_the_callers(engine: 
     assert other[-1].finished and engine.is_healthy()
 
 
+def test_a_then_request_whose_caller_left_is_ended(engine: AsyncEngine) -> None:
+    """A caller of `generate_then` that is cancelled (its own caller timed out) ends the request: its function
+    never runs and its pages are freed."""
+    ran = []
+
+    async def run() -> None:
+        task = asyncio.ensure_future(engine.generate_then(
+            [1, 2, 3], SamplingParams(max_tokens=1500, ignore_eos=True), lambda e: ran.append(1)))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    assert engine.wait_idle(5) and engine.engine.kv.num_pages_in_use() == 0 and ran == []
+
+
 async def _drain(stream) -> list:  # noqa: ANN001 - an async iterator of outputs
     return [o async for o in stream]
