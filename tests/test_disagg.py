@@ -632,11 +632,12 @@ def test_a_prefix_held_partly_on_the_host_is_exported_whole(tiny_dir: Path) -> N
     assert_pages_released(engine)
 
 
-def _prefill_replica(tiny_dir: Path, num_gpu_pages: int) -> PrefillServer:
+def _prefill_replica(tiny_dir: Path, num_gpu_pages: int, hisparse: HiSparseConfig | None = None) -> PrefillServer:
     """A prefill replica's state without Serve."""
     server = object.__new__(PrefillServer)
     server._config = AppConfig.from_args({"model": {"path": str(tiny_dir)}})
-    server.engine = AsyncEngine(EngineConfig(model=str(tiny_dir), num_gpu_pages=num_gpu_pages))
+    server.engine = AsyncEngine(EngineConfig(model=str(tiny_dir), num_gpu_pages=num_gpu_pages,
+                                             hisparse=hisparse or HiSparseConfig()))
     server.counters, server.metrics = collections.Counter(), _Metrics()
     return server
 
@@ -699,11 +700,13 @@ def test_a_request_whose_caller_died_is_ended(tiny_dir: Path, ray_store: None, m
     assert server.counters["finished_abort"] == 1 and server.counters["finished_length"] == 1
 
 
-def test_concurrent_prefills_each_export_their_whole_prompt(tiny_dir: Path, ray_store: None) -> None:
+@pytest.mark.parametrize("policy", ["off", "offload"])
+def test_concurrent_prefills_each_export_their_whole_prompt(tiny_dir: Path, ray_store: None, policy: str) -> None:
     """Prefills that outnumber a small GPU pool run in turns: the pages one leaves cached are the next one's free
     pages. Each export is still whole: it is taken right after the step that ends its prompt, before another
     prompt's step can evict them (taken at the next call into the engine, exports came back empty)."""
-    server = _prefill_replica(tiny_dir, num_gpu_pages=3 * (PER_GROUP + 1) + 4)  # one prompt and a half
+    hisparse = HiSparseConfig(policy=policy, host_pool_gib=0.05 if policy != "off" else 0.0)
+    server = _prefill_replica(tiny_dir, 3 * (PER_GROUP + 1) + 4, hisparse)  # room for one prompt and a half
     prompts = [_prompt(2 * PAGE + 10, seed=50 + i) for i in range(4)]
 
     async def run() -> list[KVHandle]:
