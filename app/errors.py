@@ -71,6 +71,8 @@ def invalid_request(errors: Sequence[dict[str, Any]]) -> APIError:
     for error in errors:
         if error.get("type") == "json_invalid":
             reason = error.get("ctx", {}).get("error", error["msg"])
+            if "hex escape" in reason:  # the parser's words for a lone surrogate too, which reads as a cut body
+                reason += r"; a \u escape names a whole character: 4 hex digits, a UTF-16 surrogate only in a pair"
             problems.append(f"the request body is not valid JSON ({reason})")
             continue
         where = _field_path(error.get("loc", ())) or "body"

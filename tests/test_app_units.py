@@ -727,6 +727,15 @@ def test_content_parts_other_than_text_are_refused_as_what_they_are() -> None:
     assert neither.param == "messages.0.content" and "valid string" in neither.message
 
 
+def test_a_lone_surrogate_is_named_in_the_refusal() -> None:
+    """An escaped lone surrogate is refused by the JSON parser as an "unexpected end of hex escape", which reads as
+    a body cut short; the message says what a \\u escape must be."""
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate_json('{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}')
+    error = invalid_request(info.value.errors(include_url=False))
+    assert error.status == 400 and "a UTF-16 surrogate only in a pair" in error.message
+
+
 def _with_arguments(arguments: str | dict) -> dict:
     call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
     return {**_CHAT, "messages": [*_CHAT["messages"], {"role": "assistant", "content": None, "tool_calls": [call]}]}
