@@ -731,7 +731,8 @@ def test_a_lone_surrogate_is_named_in_the_refusal() -> None:
     """An escaped lone surrogate is refused by the JSON parser as an "unexpected end of hex escape", which reads as
     a body cut short; the message says what a \\u escape must be."""
     with pytest.raises(ValidationError) as info:
-        ChatCompletionRequest.model_validate_json('{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}')
+        ChatCompletionRequest.model_validate_json(
+            '{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}')
     error = invalid_request(info.value.errors(include_url=False))
     assert error.status == 400 and "a UTF-16 surrogate only in a pair" in error.message
 
