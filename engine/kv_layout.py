@@ -131,6 +131,11 @@ class KVLayout:
             raise ValueError("an indexer page must hold at least one page of tokens")
         return tokens
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token holds over every layer (the capacity tables of notebooks/concurrency.ipynb)."""
+        return self.num_layers * self.mla_row_bytes + self.num_full_layers * self.indexer_key_bytes
+
     # --- views into a pool of pages -------------------------------------------------
 
     def mla_layer_view(self, pool: torch.Tensor, layer: int) -> torch.Tensor:
