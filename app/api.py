@@ -59,14 +59,16 @@ def build_api(ingress: OpenAIIngress) -> FastAPI:
 
     guarded = [Depends(authorize)]
 
-    def meta(request_id: str, include_usage: bool, parse_tools: bool = False) -> ResponseMeta:
-        return ResponseMeta(request_id, ingress.model_id, int(time.time()), parse_tools, include_usage)
+    def meta(request_id: str, include_usage: bool, parse_tools: bool = False,
+             max_tool_calls: int | None = None) -> ResponseMeta:
+        return ResponseMeta(request_id, ingress.model_id, int(time.time()), parse_tools, include_usage, max_tool_calls)
 
     @api.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest)
         request_id, stream, parse_tools = await ingress.chat(body, request.headers)
-        info = meta(request_id, bool(body.stream_options and body.stream_options.include_usage), parse_tools)
+        info = meta(request_id, bool(body.stream_options and body.stream_options.include_usage), parse_tools,
+                    None if body.parallel_tool_calls else 1)
         if body.stream:
             return StreamingResponse(stream_chat(info, stream), media_type="text/event-stream", headers=_SSE_HEADERS)
         return JSONResponse(collect_chat(info, await stream.collect()))

@@ -6,8 +6,9 @@ field with a default means that default, as OpenAI's API documents. Messages are
 typed by role, every list a client controls has a bound (messages, stop strings,
 tools), and the integer sampling fields fit in 32 bits (the seed in 64), so one body
 cannot make the ingress do unbounded work nor overflow the sampler's tensors. Fields
-OpenAI defines that change nothing here (`user`, `store`, `metadata`,
-`parallel_tool_calls`, ...) are accepted and ignored, so stock clients work;
+OpenAI defines that change nothing here (`user`, `store`, `metadata`, ...) are
+accepted and ignored, so stock clients work (`parallel_tool_calls: false` keeps the
+first tool call of a reply);
 fields whose meaning this server cannot honour (n > 1, logprobs, penalties,
 logit bias, a structured `response_format`, echo, forced tool choice) are
 refused with 400 by `unsupported` or the ingress. `ignore_eos` and `top_k` are
@@ -239,6 +240,7 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
     response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # false: at most one tool call a reply (the first the model makes)
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.logprobs or self.top_logprobs is not None:

@@ -31,6 +31,7 @@ class ResponseMeta:
     created: int
     parse_tools: bool = False
     include_usage: bool = False
+    max_tool_calls: int | None = None  # 1 when the request turned parallel tool calls off
 
 
 def sse(payload: dict[str, Any] | str) -> str:
@@ -66,6 +67,7 @@ def collect_chat(meta: ResponseMeta, chunks: list[GenerateChunk]) -> dict[str, A
     text, last = "".join(c.text_delta for c in chunks), chunks[-1]
     reasoning, text = split_reasoning(text)
     content, calls = parse_tool_calls(text) if meta.parse_tools else (text, [])
+    calls = calls[: meta.max_tool_calls]
     message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
     if reasoning:  # a block cut off right after `<think>` has no reasoning to show, streamed or not
         message["reasoning_content"] = reasoning
@@ -124,6 +126,8 @@ async def stream_chat(meta: ResponseMeta, chunks: AsyncIterator[GenerateChunk]) 
             events += parser.finish()
         for event in events:
             if isinstance(event, ToolCall):
+                if meta.max_tool_calls is not None and num_calls >= meta.max_tool_calls:
+                    continue  # a call past the one the request allows is dropped, as the whole reply drops it
                 yield sse(_chat_chunk(meta, {"tool_calls": [_tool_call(event, num_calls)]}))
                 num_calls += 1
             elif event:

@@ -156,7 +156,8 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
     prompt = httpx.post(f"{BASE}/tokenize", json={"messages": messages, "tools": tools}).json()
     assert "<tools>" in httpx.post(f"{BASE}/detokenize", json={"tokens": prompt["tokens"]}).json()["prompt"]
-    first = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=12)
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=tools, max_tokens=12,
+                                           parallel_tool_calls=False)
     assert first.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # The agent runs the tool and sends the call and its result back, as OpenAI clients do.
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}

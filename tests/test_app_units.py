@@ -451,6 +451,20 @@ def test_streamed_and_whole_chat_messages_agree(tiny_dir: Path, text: str) -> No
     assert "<tool" not in streamed["content"]
 
 
+def test_parallel_tool_calls_off_keeps_the_first_call(tiny_dir: Path) -> None:
+    """`parallel_tool_calls: false` asks for at most one call a reply; the model wrote two. Both forms of the reply
+    carry the first only; by default both calls come back."""
+    text = _assistant_text(tiny_dir, "")
+    for limit, names in ((1, ["get_weather"]), (None, ["get_weather", "search"])):
+        meta = ResponseMeta("chatcmpl-1", "glm-tiny", 0, parse_tools=True, max_tool_calls=limit)
+        whole = collect_chat(meta, _chunks(text))["choices"][0]
+        assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == names
+        assert whole["finish_reason"] == "tool_calls"
+        assert [c["name"] for c in _streamed_message(meta, text)["tool_calls"]] == names
+    body = ChatCompletionRequest.model_validate_json(json.dumps({**_CHAT, "parallel_tool_calls": False}))
+    assert body.parallel_tool_calls is False and body.unsupported() is None
+
+
 # --- routing ------------------------------------------------------------------------------------
 
 
@@ -706,7 +720,7 @@ def test_top_k_above_the_vocabulary_means_no_cut() -> None:
 def test_null_means_the_default() -> None:
     nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty", "top_k",
                            "ignore_eos", "min_p", "repetition_penalty", "min_tokens", "use_beam_search",
-                           "skip_special_tokens"))
+                           "skip_special_tokens", "parallel_tool_calls"))
     chat = ChatCompletionRequest.model_validate_json(json.dumps({**_CHAT, **nulls}))
     assert chat == ChatCompletionRequest.model_validate_json(json.dumps(_CHAT)) and chat.unsupported() is None
     completion = CompletionRequest.model_validate_json(json.dumps({**_COMPLETION, **nulls, "echo": None}))
