@@ -50,11 +50,16 @@ class HotLeases:
         """Fits the hot buffer of a request with host-only pages to `rows` query rows per step: an
         extend grows it (with at most `spare_pages` free pages) so a turn's new tokens take few
         steps; back at one row it returns to the configured size. The slots of the pages that stay
-        keep their rows, so the decode after an extend finds the rows it held before."""
+        keep their rows, so the decode after an extend finds the rows it held before. A negative
+        `spare_pages` is what the request's own next pages lack: the lease gives that many back, down to
+        the configured size (grown by an extend, it held the pages the request then needed to cross into
+        a new MLA and indexer page at once, and the request gave way to itself, over and over)."""
         if req.hot is None:
             return
         want = self.pages_for(req, rows)
         have = list(req.hot.pages)
+        if spare_pages < 0:
+            want = min(want, max(len(have) + spare_pages, self.pages_per_lease))
         if want > len(have):
             have += self.gpu_cache.allocate(min(want - len(have), max(spare_pages, 0)), PageUse.HOT)
         else:

@@ -251,6 +251,25 @@ def test_hybrid_runs_a_request_longer_than_the_gpu_pool(tiny_dir: Path) -> None:
         off.add_request("long", prompt, greedy(20))
 
 
+def test_a_hot_lease_grown_by_an_extend_gives_pages_back_to_its_own_next_chunk(tiny_dir: Path) -> None:
+    """A request run from the host grows its hot lease with every spare page for its prefill chunks; its next
+    chunk's page then had none: it gave way to itself, recomputed its prompt and met the same wall, forever. The
+    lease gives back what the chunk lacks."""
+    prompt = _prompt(1609, 0)
+    [ref] = make_engine(tiny_dir, enable_prefix_cache=False).generate([prompt], [greedy(4)])
+    engine = make_engine(tiny_dir, num_gpu_pages=24, max_num_batched_tokens=64, max_num_seqs=1,
+                         enable_prefix_cache=False, hisparse=HiSparseConfig(policy="hybrid", host_pool_gib=0.05))
+    engine.add_request("long", prompt, greedy(4))
+    tokens = None
+    for _ in range(80):
+        tokens = next((o.token_ids for o in engine.step() if o.finished), tokens)
+        if not engine.has_unfinished():
+            break
+    assert engine.stats()["preemptions"] == 0 and engine.stats()["pages_demoted"] > 0
+    assert tokens == ref.token_ids
+    assert_pages_released(engine)
+
+
 def test_hybrid_parks_instead_of_preempting_when_demotion_is_not_enough(tiny_dir: Path, ample_run) -> None:
     """A hot buffer too big to pay off leaves parking: mirrored pages stay on host, the tail and the
     indexer pages follow within the offload budget, and the request resumes without recomputing."""

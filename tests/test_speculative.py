@@ -395,3 +395,21 @@ def test_reverse_maps_cover_the_draft_rows_of_a_step(tiny_dir: Path) -> None:
     assert [len(o.token_ids) for o in outs] == [420] * 4
     assert any(past_host) and engine.stats()["hot_misses"] > 0
     assert_pages_released(engine)
+
+
+def test_a_request_run_from_the_host_crosses_into_new_pages_after_an_extend(tiny_dir: Path) -> None:
+    """A prompt longer than the GPU pool runs from the host; its prefill chunks grow its hot lease with the spare
+    pages. With drafting's page layout, its MLA and indexer pages end at the same token, so the chunk past it needs
+    two new pages while a demotion frees one: the lease gives pages back. It held them, the request gave way to
+    itself and recomputed its prompt from the start, forever."""
+    prompt = _prompt(650, 0)
+    [reference] = run_checked(_engine(tiny_dir, 0), [prompt], [greedy(8)])
+    engine = _engine(tiny_dir, 1, "hybrid", pages=10)
+    engine.add_request("r", prompt, greedy(8))
+    tokens = None
+    for _ in range(60):
+        tokens = next((o.token_ids for o in engine.step() if o.finished), tokens)
+        if not engine.has_unfinished():
+            break
+    assert engine.stats()["preemptions"] == 0 and tokens == reference
+    assert_pages_released(engine)
