@@ -174,6 +174,17 @@ def run_checked(engine: LLMEngine, prompts: list[list[int]], params: list[Sampli
     return [tokens[rid] for rid in ids]
 
 
+def tokens_within(engine: LLMEngine, steps: int) -> list[int] | None:
+    """Steps the engine until nothing is unfinished, at most `steps` times: the tokens of the request that
+    finished last, None if none did (a request that never finishes fails a bounded test, not the suite)."""
+    tokens = None
+    for _ in range(steps):
+        tokens = next((o.token_ids for o in engine.step() if o.finished), tokens)
+        if not engine.has_unfinished():
+            break
+    return tokens
+
+
 def sm90_ptx(kernel: str, types: dict[str, str], constexprs: dict[str, object], num_warps: int = 4) -> str:
     """PTX of `kernel` ("module:name" in kernels/) for an H200 (sm_90), compiled here without a GPU: `types` of its
     runtime arguments (integers default to i32). Compiled in a fresh process: a test module's kernels may be the

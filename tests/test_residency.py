@@ -13,7 +13,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import InvalidRequestError
 from residency.config import HiSparseConfig
 from residency.page_pool import PageUse
-from tests.helpers import LogitsRecorder, assert_pages_released, greedy, make_engine
+from tests.helpers import LogitsRecorder, assert_pages_released, greedy, make_engine, tokens_within
 
 # Three requests that fit at admission (5 pages each) but not once they grow past 320 tokens.
 PROMPT_LENS = (250, 240, 230)
@@ -260,11 +260,7 @@ def test_a_hot_lease_grown_by_an_extend_gives_pages_back_to_its_own_next_chunk(t
     engine = make_engine(tiny_dir, num_gpu_pages=24, max_num_batched_tokens=64, max_num_seqs=1,
                          enable_prefix_cache=False, hisparse=HiSparseConfig(policy="hybrid", host_pool_gib=0.05))
     engine.add_request("long", prompt, greedy(4))
-    tokens = None
-    for _ in range(80):
-        tokens = next((o.token_ids for o in engine.step() if o.finished), tokens)
-        if not engine.has_unfinished():
-            break
+    tokens = tokens_within(engine, 80)
     assert engine.stats()["preemptions"] == 0 and engine.stats()["pages_demoted"] > 0
     assert tokens == ref.token_ids
     assert_pages_released(engine)

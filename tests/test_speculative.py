@@ -17,7 +17,7 @@ from engine.forward_batch import ForwardBatch
 from engine.llm_engine import LLMEngine
 from engine.request import SamplingParams
 from residency.config import HiSparseConfig
-from tests.helpers import assert_pages_released, greedy, make_engine, run_checked
+from tests.helpers import assert_pages_released, greedy, make_engine, run_checked, tokens_within
 
 PROMPT_LENS = (250, 240, 230)
 NEW_TOKENS = 60
@@ -406,10 +406,6 @@ def test_a_request_run_from_the_host_crosses_into_new_pages_after_an_extend(tiny
     [reference] = run_checked(_engine(tiny_dir, 0), [prompt], [greedy(8)])
     engine = _engine(tiny_dir, 1, "hybrid", pages=10)
     engine.add_request("r", prompt, greedy(8))
-    tokens = None
-    for _ in range(60):
-        tokens = next((o.token_ids for o in engine.step() if o.finished), tokens)
-        if not engine.has_unfinished():
-            break
+    tokens = tokens_within(engine, 60)
     assert engine.stats()["preemptions"] == 0 and tokens == reference
     assert_pages_released(engine)
