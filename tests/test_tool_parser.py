@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from app import reasoning_parser, tool_parser
 from app.tool_parser import ToolCall, ToolCallStreamParser, parse_tool_calls
+from engine.tokenizer import MARKUP_TOKENS
 
 
 def call_text(name: str, value: str) -> str:
@@ -92,3 +95,11 @@ def test_streamed_and_whole_outputs_agree_on_whitespace_around_calls(text: str, 
         events = streamed(text, step)
         assert "".join(e for e in events if isinstance(e, str)) == content
         assert sum(isinstance(e, ToolCall) for e in events) == num_calls
+
+
+def test_the_parsers_tags_stay_in_text_when_special_tokens_are_skipped() -> None:
+    """The engine keeps `MARKUP_TOKENS` in the text whatever a checkpoint flags special; every tag the reasoning and
+    tool-call parsers read must be among them, or skipping special tokens would hide a call from its parser."""
+    tags = {reasoning_parser.OPEN, reasoning_parser.CLOSE, tool_parser.OPEN, tool_parser.CLOSE,
+            *re.findall(r"</?\w+>", tool_parser._ARGUMENT.pattern)}
+    assert len(tags) == 8 and tags <= set(MARKUP_TOKENS)
